@@ -1,0 +1,41 @@
+"""Engine configuration: vLLM's argument names."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
+           "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+           "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    model: str
+    tokenizer: str | None = None  # defaults to the model directory
+    max_model_len: int | None = None  # None: the checkpoint's limit
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048  # token budget of one step (decodes + prefill chunks)
+    block_size: int = 16
+    gpu_memory_utilization: float = 0.9
+    cpu_kv_cache_space_gb: float = 4.0  # the KV + state budget when running on the CPU
+    num_kv_blocks: int | None = None  # override the planner (tests use it to force preemption)
+    enable_prefix_caching: bool = False  # reserved
+    dtype: str = "auto"  # auto: the dtype config.json names
+    seed: int = 0
+    device: str = "auto"  # auto: cuda if available else cpu
+    load_format: str = "auto"
+    revision: str | None = None
+
+    def torch_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(self.device)
+
+    def torch_dtype(self, checkpoint_dtype: str | None) -> torch.dtype:
+        name = self.dtype if self.dtype != "auto" else (checkpoint_dtype or "bfloat16")
+        try:
+            return _DTYPES[str(name).removeprefix("torch.")]
+        except KeyError:
+            raise ValueError(f"unsupported dtype {name!r}; choose one of {sorted(_DTYPES)}") from None

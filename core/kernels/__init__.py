@@ -1,0 +1,1 @@
+"""Kernel interfaces with plain-torch reference implementations (the CPU path and the test oracle)."""

@@ -1,0 +1,267 @@
+"""Plugin discovery and the registries that hooks fill.
+
+``PluginRegistry`` owns one pluggy ``PluginManager``. Core's own defaults are registered as a
+plugin like any other; installed plugins come from entry points in group ``armillary``. Records
+are keyed by name and a duplicate name is an error naming both plugins.
+"""
+from __future__ import annotations
+
+import importlib
+import os
+from dataclasses import dataclass, field
+from importlib.metadata import entry_points
+from typing import Any, Generic, TypeVar
+
+import pluggy
+
+from armillary import hookspecs
+from armillary.errors import PluginError
+
+DISABLE_ENV = "ARMILLARY_DISABLE_PLUGINS"
+
+
+def import_object(path: str) -> Any:
+    """Import ``"package.module:Attr"`` lazily."""
+    module, _, attr = path.partition(":")
+    if not attr:
+        raise PluginError(f"lazy reference {path!r} must look like 'package.module:Name'")
+    obj: Any = importlib.import_module(module)
+    for part in attr.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+@dataclass(slots=True)
+class ArchSpec:
+    """One model class and the ``config.json`` ``architectures`` names it serves."""
+
+    name: str
+    hf_architectures: tuple[str, ...]
+    model_cls: str  # "package.module:Class"
+    default_tool_parser: str | None = None
+    default_reasoning_parser: str | None = None
+    description: str = ""
+    plugin: str = ""
+
+    def load(self) -> type:
+        return import_object(self.model_cls)
+
+
+@dataclass(slots=True)
+class ParserSpec:
+    """A tool-call (``kind="tool"``) or reasoning (``kind="reasoning"``) parser."""
+
+    name: str
+    kind: str
+    parser_cls: str
+    plugin: str = ""
+
+    def load(self) -> type:
+        return import_object(self.parser_cls)
+
+
+@dataclass(slots=True)
+class KernelSpec:
+    """A named implementation of a core kernel interface (e.g. ``paged_attention``)."""
+
+    name: str
+    interface: str
+    impl: str
+    targets: tuple[tuple[int, int], ...] = ()  # compute capabilities it is tuned for; () = any
+    plugin: str = ""
+
+    def load(self) -> Any:
+        return import_object(self.impl)
+
+
+R = TypeVar("R")
+
+
+class _Registry(Generic[R]):
+    kind = "record"
+
+    def __init__(self) -> None:
+        self._records: dict[str, R] = {}
+        self.current_plugin = ""
+
+    def add(self, record: R) -> None:
+        name = record.name  # type: ignore[attr-defined]
+        if name in self._records:
+            other = self._records[name].plugin  # type: ignore[attr-defined]
+            raise PluginError(
+                f"duplicate {self.kind} {name!r}: registered by plugin {other!r} and by {self.current_plugin!r}"
+            )
+        record.plugin = self.current_plugin  # type: ignore[attr-defined]
+        self._records[name] = record
+
+    def get(self, name: str) -> R:
+        try:
+            return self._records[name]
+        except KeyError:
+            known = ", ".join(sorted(self._records)) or "none"
+            raise PluginError(f"unknown {self.kind} {name!r}; registered: {known}") from None
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._records
+
+    def __iter__(self):
+        return iter(self._records.values())
+
+    def __len__(self) -> int:
+        return len(self._records)
+
+
+class ArchitectureRegistry(_Registry[ArchSpec]):
+    kind = "architecture"
+
+    def register(self, name: str, hf_architectures, model_cls: str, **kw: Any) -> None:
+        self.add(ArchSpec(name, tuple(hf_architectures), model_cls, **kw))
+
+    def add(self, record: ArchSpec) -> None:
+        for other in self:
+            clash = set(other.hf_architectures) & set(record.hf_architectures)
+            if clash:
+                raise PluginError(
+                    f"architecture {sorted(clash)} claimed by plugin {other.plugin!r} ({other.name}) "
+                    f"and by {self.current_plugin!r} ({record.name})"
+                )
+        super().add(record)
+
+    def for_hf_architecture(self, hf_arch: str) -> ArchSpec | None:
+        for spec in self:
+            if hf_arch in spec.hf_architectures:
+                return spec
+        return None
+
+
+class ParserRegistry(_Registry[ParserSpec]):
+    kind = "parser"
+
+    def register(self, name: str, kind: str, parser_cls: str) -> None:
+        if kind not in ("tool", "reasoning"):
+            raise PluginError(f"parser {name!r}: kind must be 'tool' or 'reasoning', not {kind!r}")
+        self.add(ParserSpec(name, kind, parser_cls))
+
+    def of_kind(self, kind: str) -> list[ParserSpec]:
+        return [p for p in self if p.kind == kind]
+
+
+class KernelRegistry(_Registry[KernelSpec]):
+    kind = "kernel"
+
+    def register(self, name: str, interface: str, impl: str, targets=()) -> None:
+        self.add(KernelSpec(name, interface, impl, tuple(tuple(t) for t in targets)))
+
+    def for_interface(self, interface: str) -> list[KernelSpec]:
+        return [k for k in self if k.interface == interface]
+
+
+@dataclass(slots=True)
+class PluginInfo:
+    name: str
+    distribution: str
+    version: str
+    architectures: list[str] = field(default_factory=list)
+    parsers: list[str] = field(default_factory=list)
+    kernels: list[str] = field(default_factory=list)
+
+
+class PluginRegistry:
+    """Loads plugins and collects what they register.
+
+    ``PluginRegistry()`` holds core's defaults only; ``load_entry_points()`` adds installed
+    plugins (minus ``ARMILLARY_DISABLE_PLUGINS``); ``register(module, name)`` adds one by hand,
+    which is how tests register plugins without depending on autoload.
+    """
+
+    def __init__(self) -> None:
+        self.pm = pluggy.PluginManager(hookspecs.PROJECT)
+        self.pm.add_hookspecs(hookspecs)
+        self.architectures = ArchitectureRegistry()
+        self.parsers = ParserRegistry()
+        self.kernels = KernelRegistry()
+        self.infos: dict[str, PluginInfo] = {}
+        from armillary import core_plugin
+
+        self.register(core_plugin, "core", distribution="armillary")
+
+    @staticmethod
+    def disabled() -> set[str]:
+        return {n.strip() for n in os.environ.get(DISABLE_ENV, "").split(",") if n.strip()}
+
+    def register(self, module: Any, name: str, distribution: str = "", version: str = "") -> None:
+        if name in self.infos:
+            if self.pm.get_plugin(name) is module:
+                return  # idempotent
+            raise PluginError(f"duplicate plugin name {name!r}")
+        if not version and distribution:
+            version = _dist_version(distribution)
+        info = PluginInfo(name, distribution or getattr(module, "__name__", name), version)
+        self.pm.register(module, name)
+        self.infos[name] = info
+        for hook, registry, names in (
+            ("armillary_register_architectures", self.architectures, info.architectures),
+            ("armillary_register_parsers", self.parsers, info.parsers),
+            ("armillary_register_kernels", self.kernels, info.kernels),
+        ):
+            before = set(r.name for r in registry)
+            for impl in getattr(self.pm.hook, hook).get_hookimpls():
+                if impl.plugin_name != name:
+                    continue
+                registry.current_plugin = name
+                try:
+                    impl.function(registry=registry)
+                finally:
+                    registry.current_plugin = ""
+            names.extend(sorted(r.name for r in registry if r.name not in before))
+
+    def load_entry_points(self) -> None:
+        blocked = self.disabled()
+        for ep in entry_points(group=hookspecs.PROJECT):
+            if ep.name in blocked or ep.name in self.infos:
+                continue
+            try:
+                module = ep.load()
+            except Exception as exc:  # a broken plugin must not hide the others
+                raise PluginError(f"plugin {ep.name!r} ({ep.value}) failed to import: {exc}") from exc
+            dist = ep.dist.name if ep.dist is not None else ""
+            version = ep.dist.version if ep.dist is not None else ""
+            self.register(module, ep.name, dist, version)
+
+    @property
+    def hook(self):
+        return self.pm.hook
+
+    def resolve_architecture(self, hf_architectures: list[str]) -> ArchSpec:
+        for arch in hf_architectures:
+            spec = self.architectures.for_hf_architecture(arch)
+            if spec is not None:
+                return spec
+        served = sorted(a for s in self.architectures for a in s.hf_architectures)
+        plugins = ", ".join(f"{i.name} ({', '.join(i.architectures) or 'no architectures'})" for i in self.infos.values())
+        raise PluginError(
+            f"no installed plugin serves architecture {hf_architectures}; "
+            f"served architectures: {', '.join(served) or 'none'}; installed plugins: {plugins}"
+        )
+
+
+def _dist_version(distribution: str) -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(distribution)
+    except PackageNotFoundError:
+        return ""
+
+
+_default: PluginRegistry | None = None
+
+
+def default_registry() -> PluginRegistry:
+    """Core defaults plus every installed plugin, loaded once per process."""
+    global _default
+    if _default is None:
+        reg = PluginRegistry()
+        reg.load_entry_points()
+        _default = reg
+    return _default

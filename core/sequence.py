@@ -1,0 +1,78 @@
+"""One generation stream: its tokens, its progress through the cache, its blocks and state slot."""
+from __future__ import annotations
+
+import enum
+import itertools
+
+import torch
+
+from armillary.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+_counter = itertools.count()
+
+
+class Sequence:
+    """``token_ids`` = prompt + output; ``num_computed_tokens`` of them are in the cache.
+
+    A sequence is preempted by recompute: its blocks and slot are freed and
+    ``num_computed_tokens`` returns to 0, keeping its tokens, so it re-prefills them later.
+    """
+
+    def __init__(self, request_id: str, index: int, prompt_token_ids: list[int], params: SamplingParams,
+                 eos_token_ids: tuple[int, ...] = (), seed: int | None = None, arrival: float = 0.0) -> None:
+        self.seq_id = next(_counter)
+        self.request_id = request_id
+        self.index = index  # which of the request's n samples
+        self.params = params
+        self.token_ids = list(prompt_token_ids)
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.num_computed_tokens = 0
+        self.status = SequenceStatus.WAITING
+        self.block_table: list[int] = []
+        self.state_slot: int | None = None
+        self.eos_token_ids = eos_token_ids
+        self.arrival = arrival
+        self.finish_reason: str | None = None  # "stop" | "length" | "abort"
+        self.stop_reason: int | str | None = None  # the stop token id or stop string that matched
+        self.num_preemptions = 0
+        self.generator: torch.Generator | None = None
+        if seed is not None:
+            self.generator = torch.Generator()
+            self.generator.manual_seed(seed)
+        # per output token: (logprob of the sampled token, [(token_id, logprob), ...] top-k)
+        self.logprobs: list[tuple[float, list[tuple[int, float]]]] = []
+        self.num_new_tokens = 0  # scheduled for the current step
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.token_ids[: self.num_prompt_tokens]
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    def __repr__(self) -> str:
+        return (f"Sequence(id={self.seq_id}, req={self.request_id!r}, len={len(self)}, "
+                f"computed={self.num_computed_tokens}, status={self.status.value})")
