@@ -1,0 +1,1 @@
+"""Protocol-neutral tool-call and reasoning parser contracts."""
