@@ -1,4 +1,25 @@
-"""Entry point of the qwen_gdn_moe plugin."""
+"""Entry point of the qwen_gdn_moe plugin: what it serves, lazily named."""
 from __future__ import annotations
 
 from armillary.hookspecs import hookimpl
+
+_PKG = "armillary_qwen_gdn_moe"
+
+
+@hookimpl
+def armillary_register_architectures(registry) -> None:
+    common = dict(default_tool_parser="qwen3_coder", default_reasoning_parser="qwen3")
+    registry.register("qwen3_next", ["Qwen3NextForCausalLM"], f"{_PKG}.qwen3_next:Qwen3NextForCausalLM",
+                      description="Qwen3-Next: GDN + gated attention + MoE", **common)
+    registry.register("qwen3_5_moe", ["Qwen3_5MoeForConditionalGeneration", "Qwen3_5MoeForCausalLM"],
+                      f"{_PKG}.qwen3_5:Qwen3_5MoeForCausalLM",
+                      description="Qwen3.5 / Qwen3.6 MoE (text)", **common)
+    registry.register("qwen3_5", ["Qwen3_5ForConditionalGeneration", "Qwen3_5ForCausalLM"],
+                      f"{_PKG}.qwen3_5:Qwen3_5ForCausalLM",
+                      description="Qwen3.5 / Qwen3.6 dense (text)", **common)
+
+
+@hookimpl
+def armillary_register_parsers(registry) -> None:
+    registry.register("qwen3", "reasoning", f"{_PKG}.parsers.reasoning:Qwen3ReasoningParser")
+    registry.register("qwen3_coder", "tool", f"{_PKG}.parsers.qwen3_coder:Qwen3CoderToolParser")
