@@ -1,1 +1,26 @@
 """armillary: an LLM inference server for hybrid open models, with architectures as plugins."""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+__all__ = ["LLM", "LLMEngine", "EngineConfig", "SamplingParams", "RequestOutput", "CompletionOutput"]
+
+if TYPE_CHECKING:
+    from armillary.config import EngineConfig
+    from armillary.engine import LLMEngine
+    from armillary.llm import LLM
+    from armillary.outputs import CompletionOutput, RequestOutput
+    from armillary.sampling_params import SamplingParams
+
+_LAZY = {"LLM": "armillary.llm", "LLMEngine": "armillary.engine", "EngineConfig": "armillary.config",
+         "SamplingParams": "armillary.sampling_params", "RequestOutput": "armillary.outputs",
+         "CompletionOutput": "armillary.outputs"}
+
+
+def __getattr__(name: str):
+    # lazy so that `armillary plugins` and plugin hook modules import without torch start-up cost
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'armillary' has no attribute {name!r}")

@@ -26,7 +26,8 @@ class Sequence:
     """
 
     def __init__(self, request_id: str, index: int, prompt_token_ids: list[int], params: SamplingParams,
-                 eos_token_ids: tuple[int, ...] = (), seed: int | None = None, arrival: float = 0.0) -> None:
+                 eos_token_ids: tuple[int, ...] = (), seed: int | None = None, arrival: float = 0.0,
+                 max_tokens: int | None = None) -> None:
         self.seq_id = next(_counter)
         self.request_id = request_id
         self.index = index  # which of the request's n samples
@@ -39,6 +40,7 @@ class Sequence:
         self.state_slot: int | None = None
         self.eos_token_ids = eos_token_ids
         self.arrival = arrival
+        self.max_tokens = max_tokens if max_tokens is not None else params.max_tokens  # output cap
         self.finish_reason: str | None = None  # "stop" | "length" | "abort"
         self.stop_reason: int | str | None = None  # the stop token id or stop string that matched
         self.num_preemptions = 0

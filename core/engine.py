@@ -1,0 +1,248 @@
+"""The engine: requests in, one ``schedule -> run -> postprocess`` step at a time, outputs out."""
+from __future__ import annotations
+
+import logging
+import time
+from contextlib import contextmanager
+
+import torch
+
+from armillary.config import EngineConfig
+from armillary.errors import InvalidRequestError
+from armillary.memory.block_manager import BlockManager
+from armillary.memory.planner import GiB, MemoryPlan, allocate_caches, cuda_cache_budget, plan_memory
+from armillary.memory.state_pool import StatePool
+from armillary.model_files import checkpoint_dtype, load_generation_defaults, load_hf_config, resolve_model_path
+from armillary.model_runner import ModelRunner
+from armillary.outputs import RequestOutput
+from armillary.registry import PluginRegistry, default_registry
+from armillary.request_state import RequestState, SeqText
+from armillary.sampling_params import SamplingParams
+from armillary.scheduler import Scheduler
+from armillary.sequence import Sequence
+from armillary.weights import load_model_weights
+
+log = logging.getLogger("armillary")
+
+
+@contextmanager
+def _default_dtype(dtype: torch.dtype):
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(old)
+
+
+class LLMEngine:
+    """Single-threaded; a front end calls ``add_request`` / ``abort_request`` between ``step`` calls."""
+
+    def __init__(self, config: EngineConfig, registry: PluginRegistry | None = None) -> None:
+        self.config = config
+        self.registry = registry or default_registry()
+        self.registry.hook.armillary_startup(config=config)
+        self.model_path = resolve_model_path(config.model, config.revision)
+        self.hf_config = load_hf_config(self.model_path)
+        self.arch = self.registry.resolve_architecture(list(getattr(self.hf_config, "architectures", None) or []))
+        model_cls = self.arch.load()
+        self.device = config.torch_device()
+        self.dtype = config.torch_dtype(checkpoint_dtype(self.hf_config))
+        self.generation_defaults = load_generation_defaults(self.model_path)
+        self.tokenizer = self._load_tokenizer()
+        self.max_model_len = self._max_model_len(model_cls)
+
+        with torch.device(self.device), _default_dtype(self.dtype):
+            self.model = model_cls(self.hf_config)
+        if config.load_format == "dummy":
+            self._init_dummy_weights()
+        else:
+            load_model_weights(self.model, self.model_path)
+        self.model.eval()
+        log.info("weights loaded: %s (%s) on %s as %s", self.model_path, self.arch.name, self.device, self.dtype)
+
+        layout = model_cls.cache_layout(self.hf_config)
+        self.plan = self._plan_memory(layout)
+        caches, state_tensors = allocate_caches(layout, self.plan, self.dtype, self.device)
+        log.info("memory plan: %s", self.plan.describe())
+        self.blocks = BlockManager(self.plan.num_blocks, config.block_size)
+        self.states = StatePool(self.plan.num_slots, state_tensors) if state_tensors else None
+        self.scheduler = Scheduler(config.max_num_seqs, config.max_num_batched_tokens, self.blocks, self.states)
+        self.runner = ModelRunner(self.model, caches, config.block_size, self.device)
+        self.runner.sampler.generator.manual_seed(config.seed)
+        self.requests: dict[str, RequestState] = {}
+        self.eos_token_ids = self._eos_token_ids()
+
+    # ---- construction helpers
+
+    def _load_tokenizer(self):
+        from armillary.tokenizer import Tokenizer
+
+        path = resolve_model_path(self.config.tokenizer, self.config.revision) if self.config.tokenizer else self.model_path
+        if not (path / "tokenizer.json").exists():
+            log.warning("no tokenizer.json in %s: prompts must be token ids and outputs carry no text", path)
+            return None
+        return Tokenizer.from_pretrained(path)
+
+    def _max_model_len(self, model_cls) -> int:
+        limit = model_cls.max_model_len(self.hf_config)
+        want = self.config.max_model_len
+        if want is None:
+            if limit is None:
+                raise InvalidRequestError("the checkpoint states no context length: pass max_model_len")
+            return int(limit)
+        if limit is not None and want > limit:
+            log.warning("max_model_len %d exceeds the checkpoint's %d", want, limit)
+        return int(want)
+
+    def _eos_token_ids(self) -> tuple[int, ...]:
+        ids: list[int] = []
+        gen_eos = self.generation_defaults.get("eos_token_id")
+        for source in (gen_eos, getattr(self.model.text_config(self.hf_config), "eos_token_id", None)):
+            if source is None:
+                continue
+            ids.extend(source if isinstance(source, list) else [source])
+        if self.tokenizer is not None:
+            ids.extend(self.tokenizer.eos_token_ids)
+        return tuple(dict.fromkeys(int(i) for i in ids))
+
+    def _init_dummy_weights(self) -> None:
+        gen = torch.Generator(device=self.device).manual_seed(self.config.seed)
+        with torch.no_grad():
+            for p in self.model.parameters():
+                if p.is_floating_point():
+                    p.uniform_(-0.02, 0.02, generator=gen)
+
+    def _plan_memory(self, layout) -> MemoryPlan:
+        cfg = self.config
+        useful = cfg.max_num_seqs * -(-self.max_model_len // cfg.block_size)
+        if self.device.type == "cuda":
+            budget = cuda_cache_budget(self.device, cfg.gpu_memory_utilization)
+        else:
+            budget = int(cfg.cpu_kv_cache_space_gb * GiB)
+        return plan_memory(layout, budget_bytes=budget, block_size=cfg.block_size, num_slots=cfg.max_num_seqs,
+                           dtype=self.dtype, max_blocks_useful=useful, num_blocks_override=cfg.num_kv_blocks)
+
+    # ---- requests
+
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None) -> None:
+        """Queue a request; raises ``InvalidRequestError`` without holding anything on bad input."""
+        params = params or SamplingParams()
+        if request_id in self.requests:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        text, ids = self._tokenize(prompt)
+        if not ids:
+            raise InvalidRequestError("the prompt is empty")
+        vocab = self.model.text_config(self.hf_config).vocab_size
+        if min(ids) < 0 or max(ids) >= vocab:
+            raise InvalidRequestError(f"prompt token ids must be in [0, {vocab})")
+        room = self.max_model_len - len(ids)
+        if room <= 0:
+            raise InvalidRequestError(
+                f"the prompt has {len(ids)} tokens, over this model's maximum context length of {self.max_model_len}")
+        max_tokens = params.max_tokens if params.max_tokens is not None else room
+        if max_tokens > room:
+            raise InvalidRequestError(
+                f"this model's maximum context length is {self.max_model_len} tokens; the prompt has {len(ids)} "
+                f"and {max_tokens} more were requested ({len(ids) + max_tokens} in all)")
+        capacity = self.blocks.num_blocks * self.blocks.block_size
+        if len(ids) + max_tokens > capacity:
+            raise InvalidRequestError(
+                f"the request needs {len(ids) + max_tokens} tokens of KV cache; the pool holds {capacity}")
+        seqs, texts = [], []
+        for i in range(params.n):
+            seed = None if params.seed is None else params.seed + i
+            seq = Sequence(request_id, i, ids, params, self.eos_token_ids, seed=seed, arrival=time.time(),
+                           max_tokens=max_tokens)
+            seqs.append(seq)
+            texts.append(SeqText(self._detokenizer(ids, params), params.stop, params.include_stop_str_in_output))
+        self.requests[request_id] = RequestState(request_id, text, ids, seqs, texts)
+        for seq in seqs:
+            self.scheduler.add(seq)
+
+    def _tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise InvalidRequestError("this model has no tokenizer: give prompt token ids")
+            return prompt, self.tokenizer.encode(prompt, add_special_tokens=True)
+        return None, [int(t) for t in prompt]
+
+    def _detokenizer(self, prompt_ids: list[int], params: SamplingParams):
+        if self.tokenizer is None:
+            return None
+        from armillary.detokenizer import IncrementalDetokenizer
+
+        return IncrementalDetokenizer(self.tokenizer, skip_special_tokens=params.skip_special_tokens)
+
+    def abort_request(self, request_id: str) -> None:
+        state = self.requests.pop(request_id, None)
+        if state is None:
+            return
+        for seq in state.seqs:
+            self.scheduler.finish(seq, "abort")
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ---- the step
+
+    def step(self) -> list[RequestOutput]:
+        seqs = self.scheduler.schedule()
+        if not seqs:
+            return []
+        sampled, _, out = self.runner.run(seqs)
+        for seq in seqs:
+            seq.num_computed_tokens += seq.num_new_tokens
+            seq.num_new_tokens = 0
+        touched: dict[str, RequestState] = {}
+        if out is not None:
+            token_ids = out.token_ids.tolist()
+            logprobs = out.logprobs.tolist() if out.logprobs is not None else None
+            top_ids = out.top_ids.tolist() if out.top_ids is not None else None
+            top_lps = out.top_logprobs.tolist() if out.top_logprobs is not None else None
+            now = time.time()
+            for row, seq in enumerate(sampled):
+                state = self.requests[seq.request_id]
+                k = seq.params.logprobs
+                if k is not None:
+                    top = list(zip(top_ids[row][:k], top_lps[row][:k])) if k else []
+                    seq.logprobs.append((logprobs[row], top))
+                self._append(seq, token_ids[row], state.texts[seq.index])
+                state.metrics.setdefault("first_token_time", now)
+                touched[seq.request_id] = state
+        outputs = []
+        for rid, state in touched.items():
+            if state.finished:
+                state.metrics["finished_time"] = time.time()
+                del self.requests[rid]
+            outputs.append(state.output())
+        return outputs
+
+    def _append(self, seq: Sequence, token: int, text: SeqText) -> None:
+        seq.token_ids.append(token)
+        stop = text.add(token)
+        p = seq.params
+        if seq.num_output_tokens < p.min_tokens:
+            return
+        if stop is not None:
+            seq.stop_reason = stop
+            self.scheduler.finish(seq, "stop")
+        elif token in p.stop_token_ids:
+            seq.stop_reason = token
+            self.scheduler.finish(seq, "stop")
+        elif not p.ignore_eos and token in seq.eos_token_ids:
+            self.scheduler.finish(seq, "stop")
+        elif seq.num_output_tokens >= seq.max_tokens:
+            self.scheduler.finish(seq, "length")
+
+    def stats(self) -> dict:
+        return {
+            "num_waiting": len(self.scheduler.waiting),
+            "num_running": len(self.scheduler.running),
+            "kv_blocks_total": self.blocks.num_blocks,
+            "kv_blocks_used": self.blocks.num_used,
+            "state_slots_total": self.states.num_slots if self.states else 0,
+            "state_slots_used": self.states.num_used if self.states else 0,
+            "num_preemptions": self.scheduler.num_preemptions,
+            "prefix_cache_hit_rate": 0.0,
+        }
