@@ -17,6 +17,7 @@ from armillary.model_runner import ModelRunner
 from armillary.outputs import RequestOutput
 from armillary.registry import PluginRegistry, default_registry
 from armillary.request_state import RequestState, SeqText
+from armillary.sampler import Sampler
 from armillary.sampling_params import SamplingParams
 from armillary.scheduler import Scheduler
 from armillary.sequence import Sequence
@@ -68,8 +69,7 @@ class LLMEngine:
         self.blocks = BlockManager(self.plan.num_blocks, config.block_size)
         self.states = StatePool(self.plan.num_slots, state_tensors) if state_tensors else None
         self.scheduler = Scheduler(config.max_num_seqs, config.max_num_batched_tokens, self.blocks, self.states)
-        self.runner = ModelRunner(self.model, caches, config.block_size, self.device)
-        self.runner.sampler.generator.manual_seed(config.seed)
+        self.runner = ModelRunner(self.model, caches, config.block_size, self.device, Sampler(seed=config.seed))
         self.requests: dict[str, RequestState] = {}
         self.eos_token_ids = self._eos_token_ids()
 
