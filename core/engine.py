@@ -78,7 +78,8 @@ class LLMEngine:
     def _load_tokenizer(self):
         from armillary.tokenizer import Tokenizer
 
-        path = resolve_model_path(self.config.tokenizer, self.config.revision) if self.config.tokenizer else self.model_path
+        path = (resolve_model_path(self.config.tokenizer, self.config.revision, require_config=False)
+                if self.config.tokenizer else self.model_path)
         if not (path / "tokenizer.json").exists():
             log.warning("no tokenizer.json in %s: prompts must be token ids and outputs carry no text", path)
             return None
@@ -172,7 +173,8 @@ class LLMEngine:
             return None
         from armillary.detokenizer import IncrementalDetokenizer
 
-        return IncrementalDetokenizer(self.tokenizer, skip_special_tokens=params.skip_special_tokens)
+        return IncrementalDetokenizer(self.tokenizer, skip_special_tokens=params.skip_special_tokens,
+                                      prompt_ids=prompt_ids)
 
     def abort_request(self, request_id: str) -> None:
         state = self.requests.pop(request_id, None)
@@ -234,6 +236,8 @@ class LLMEngine:
             self.scheduler.finish(seq, "stop")
         elif seq.num_output_tokens >= seq.max_tokens:
             self.scheduler.finish(seq, "length")
+        if seq.is_finished:
+            text.finish()
 
     def stats(self) -> dict:
         return {

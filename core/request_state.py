@@ -20,6 +20,7 @@ class SeqText:
         self.include_stop = include_stop
         self.text = ""
         self.hold = max((len(s) for s in stops), default=1) - 1
+        self.stopped = False  # a stop string cut the text: nothing after it may be added
 
     def add(self, token_id: int) -> str | None:
         """Append one token; returns the stop string if one now appears in the text."""
@@ -34,8 +35,14 @@ class SeqText:
             at = self.text.find(stop, start)
             if at != -1:
                 self.text = self.text[: at + len(stop) if self.include_stop else at]
+                self.stopped = True
                 return stop
         return None
+
+    def finish(self) -> None:
+        """Release text the detokenizer held back (an incomplete multi-byte character)."""
+        if self.detokenizer is not None and not self.stopped:
+            self.text += self.detokenizer.flush()
 
     def visible(self, finished: bool) -> str:
         if finished or self.hold == 0:
