@@ -1,0 +1,1 @@
+"""Triton implementations of the core kernel interfaces (CUDA); references live one level up."""
