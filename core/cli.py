@@ -20,6 +20,8 @@ def cmd_plugins(args: argparse.Namespace) -> int:
             spec = reg.kernels.get(name)
             targets = ", ".join(f"sm_{a}{b}" for a, b in spec.targets) or "any device"
             print(f"  kernel {name}: {spec.interface} [{targets}]")
+        for name in info.formats:
+            print(f"  model format {name}")
     return 0
 
 

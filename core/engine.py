@@ -12,7 +12,8 @@ from armillary.errors import InvalidRequestError
 from armillary.memory.block_manager import BlockManager
 from armillary.memory.planner import GiB, MemoryPlan, allocate_caches, cuda_cache_budget, plan_memory
 from armillary.memory.state_pool import StatePool
-from armillary.model_files import checkpoint_dtype, load_generation_defaults, load_hf_config, resolve_model_path
+from armillary.model_files import checkpoint_dtype
+from armillary.model_source import open_model_source
 from armillary.model_runner import ModelRunner
 from armillary.outputs import RequestOutput
 from armillary.registry import PluginRegistry, default_registry
@@ -21,7 +22,7 @@ from armillary.sampler import Sampler
 from armillary.sampling_params import SamplingParams
 from armillary.scheduler import Scheduler
 from armillary.sequence import Sequence
-from armillary.weights import load_model_weights
+from armillary.weights import fill_parameters
 
 log = logging.getLogger("armillary")
 
@@ -43,13 +44,14 @@ class LLMEngine:
         self.config = config
         self.registry = registry or default_registry()
         self.registry.hook.armillary_startup(config=config)
-        self.model_path = resolve_model_path(config.model, config.revision)
-        self.hf_config = load_hf_config(self.model_path)
+        self.source = open_model_source(config.model, config.revision, self.registry)
+        self.model_path = self.source.path
+        self.hf_config = self.source.hf_config()
         self.arch = self.registry.resolve_architecture(list(getattr(self.hf_config, "architectures", None) or []))
         model_cls = self.arch.load()
         self.device = config.torch_device()
         self.dtype = config.torch_dtype(checkpoint_dtype(self.hf_config))
-        self.generation_defaults = load_generation_defaults(self.model_path)
+        self.generation_defaults = self.source.generation_defaults()
         self.tokenizer = self._load_tokenizer()
         self.max_model_len = self._max_model_len(model_cls)
 
@@ -58,7 +60,7 @@ class LLMEngine:
         if config.load_format == "dummy":
             self._init_dummy_weights()
         else:
-            load_model_weights(self.model, self.model_path)
+            fill_parameters(self.model, self.source.iter_weights(), str(self.model_path))
         self.model.eval()
         log.info("weights loaded: %s (%s) on %s as %s", self.model_path, self.arch.name, self.device, self.dtype)
 
@@ -78,12 +80,12 @@ class LLMEngine:
     def _load_tokenizer(self):
         from armillary.tokenizer import Tokenizer
 
-        path = (resolve_model_path(self.config.tokenizer, self.config.revision, require_config=False)
-                if self.config.tokenizer else self.model_path)
-        if not (path / "tokenizer.json").exists():
-            log.warning("no tokenizer.json in %s: prompts must be token ids and outputs carry no text", path)
-            return None
-        return Tokenizer.from_pretrained(path)
+        if self.config.tokenizer:
+            return Tokenizer.from_pretrained(self.config.tokenizer, self.config.revision)
+        tokenizer = self.source.tokenizer()
+        if tokenizer is None:
+            log.warning("%s has no tokenizer: prompts must be token ids and outputs carry no text", self.model_path)
+        return tokenizer
 
     def _max_model_len(self, model_cls) -> int:
         limit = model_cls.max_model_len(self.hf_config)

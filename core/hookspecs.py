@@ -13,7 +13,7 @@ import pluggy
 if TYPE_CHECKING:
     import argparse
 
-    from armillary.registry import ArchitectureRegistry, KernelRegistry, ParserRegistry
+    from armillary.registry import ArchitectureRegistry, FormatRegistry, KernelRegistry, ParserRegistry
 
 PROJECT = "armillary"
 hookspec = pluggy.HookspecMarker(PROJECT)
@@ -33,6 +33,11 @@ def armillary_register_parsers(registry: ParserRegistry) -> None:
 @hookspec
 def armillary_register_kernels(registry: KernelRegistry) -> None:
     """Add named implementations (``KernelSpec``) of core kernel interfaces and their GPU targets."""
+
+
+@hookspec
+def armillary_register_model_formats(registry: FormatRegistry) -> None:
+    """Add ``FormatSpec`` records: model file formats (e.g. GGUF) and the ``ModelSource`` that opens them."""
 
 
 @hookspec

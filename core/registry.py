@@ -74,6 +74,19 @@ class KernelSpec:
         return import_object(self.impl)
 
 
+@dataclass(slots=True)
+class FormatSpec:
+    """A model file format and its ``armillary.model_source.ModelSource`` subclass."""
+
+    name: str
+    source_cls: str
+    description: str = ""
+    plugin: str = ""
+
+    def load(self) -> type:
+        return import_object(self.source_cls)
+
+
 R = TypeVar("R")
 
 
@@ -156,6 +169,13 @@ class KernelRegistry(_Registry[KernelSpec]):
         return [k for k in self if k.interface == interface]
 
 
+class FormatRegistry(_Registry[FormatSpec]):
+    kind = "model format"
+
+    def register(self, name: str, source_cls: str, description: str = "") -> None:
+        self.add(FormatSpec(name, source_cls, description))
+
+
 @dataclass(slots=True)
 class PluginInfo:
     name: str
@@ -164,6 +184,7 @@ class PluginInfo:
     architectures: list[str] = field(default_factory=list)
     parsers: list[str] = field(default_factory=list)
     kernels: list[str] = field(default_factory=list)
+    formats: list[str] = field(default_factory=list)
 
 
 class PluginRegistry:
@@ -180,6 +201,7 @@ class PluginRegistry:
         self.architectures = ArchitectureRegistry()
         self.parsers = ParserRegistry()
         self.kernels = KernelRegistry()
+        self.formats = FormatRegistry()
         self.infos: dict[str, PluginInfo] = {}
         from armillary import core_plugin
 
@@ -203,6 +225,7 @@ class PluginRegistry:
             ("armillary_register_architectures", self.architectures, info.architectures),
             ("armillary_register_parsers", self.parsers, info.parsers),
             ("armillary_register_kernels", self.kernels, info.kernels),
+            ("armillary_register_model_formats", self.formats, info.formats),
         ):
             before = set(r.name for r in registry)
             for impl in getattr(self.pm.hook, hook).get_hookimpls():

@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 import logging
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import torch
@@ -65,15 +65,19 @@ def iter_safetensors(path: Path, progress: bool = True) -> Iterator[tuple[str, t
 
 
 def load_model_weights(model: nn.Module, path: Path, progress: bool = True) -> None:
-    """Fill every parameter of ``model`` from the checkpoint at ``path`` through ``model.load_weights``.
+    """Fill every parameter of ``model`` from the safetensors checkpoint at ``path``."""
+    fill_parameters(model, iter_safetensors(path, progress=progress), str(path))
 
-    ``load_weights`` raises on checkpoint tensors it does not know; this raises ``WeightLoadError``
-    naming the parameters (not buffers) that no tensor filled.
+
+def fill_parameters(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], source: str) -> None:
+    """Feed ``weights`` to ``model.load_weights``; raise ``WeightLoadError`` naming unfilled parameters.
+
+    ``load_weights`` itself raises on checkpoint tensors it does not know. Buffers are not checked.
     """
-    filled = set(model.load_weights(iter_safetensors(path, progress=progress)))
+    filled = set(model.load_weights(weights))
     unfilled = [name for name, _ in model.named_parameters() if name not in filled]
     if unfilled:
         raise WeightLoadError(
-            f"checkpoint {path} left {len(unfilled)} parameter(s) of {type(model).__name__} unfilled: "
+            f"checkpoint {source} left {len(unfilled)} parameter(s) of {type(model).__name__} unfilled: "
             f"{_names_listed(unfilled)}")
-    logger.info("loaded %d parameters from %s", len(filled), path)
+    logger.info("loaded %d parameters from %s", len(filled), source)
