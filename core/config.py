@@ -25,7 +25,9 @@ class EngineConfig:
     dtype: str = "auto"  # auto: the dtype config.json names
     seed: int = 0
     device: str = "auto"  # auto: cuda if available else cpu
-    load_format: str = "auto"
+    load_format: str = "auto"  # "dummy": random weights from config.json alone (benchmarks)
+    enforce_eager: bool = False  # no CUDA graphs
+    max_graph_batch: int = 256  # largest decode batch captured in a CUDA graph
     revision: str | None = None
 
     def torch_device(self) -> torch.device:

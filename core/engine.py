@@ -8,6 +8,7 @@ from contextlib import contextmanager
 import torch
 
 from armillary.config import EngineConfig
+from armillary.cuda_graphs import CUDAGraphDecoder
 from armillary.errors import InvalidRequestError
 from armillary.memory.block_manager import BlockManager
 from armillary.memory.planner import GiB, MemoryPlan, allocate_caches, cuda_cache_budget, plan_memory
@@ -65,13 +66,24 @@ class LLMEngine:
         log.info("weights loaded: %s (%s) on %s as %s", self.model_path, self.arch.name, self.device, self.dtype)
 
         layout = model_cls.cache_layout(self.hf_config)
+        if self.device.type == "cuda":
+            self._profile_run(layout)
         self.plan = self._plan_memory(layout)
         caches, state_tensors = allocate_caches(layout, self.plan, self.dtype, self.device)
         log.info("memory plan: %s", self.plan.describe())
-        self.blocks = BlockManager(self.plan.num_blocks, config.block_size)
-        self.states = StatePool(self.plan.num_slots, state_tensors) if state_tensors else None
+        # the last block and the last slot are scratch space for CUDA-graph padding rows, never handed out
+        scratch_block, scratch_slot = self.plan.num_blocks - 1, self.plan.num_slots - 1
+        self.blocks = BlockManager(scratch_block, config.block_size)
+        self.states = StatePool(scratch_slot, state_tensors) if state_tensors else None
         self.scheduler = Scheduler(config.max_num_seqs, config.max_num_batched_tokens, self.blocks, self.states)
-        self.runner = ModelRunner(self.model, caches, config.block_size, self.device, Sampler(seed=config.seed))
+        graphs = None
+        if self.device.type == "cuda" and not config.enforce_eager:
+            max_blocks = -(-self.max_model_len // config.block_size)
+            graphs = CUDAGraphDecoder(self.model, caches, min(config.max_num_seqs, config.max_graph_batch),
+                                      max_blocks, config.block_size, scratch_block, scratch_slot, self.device)
+            graphs.capture()
+        self.runner = ModelRunner(self.model, caches, config.block_size, self.device, Sampler(seed=config.seed),
+                                  graphs)
         self.requests: dict[str, RequestState] = {}
         self.eos_token_ids = self._eos_token_ids()
 
@@ -116,15 +128,31 @@ class LLMEngine:
                 if p.is_floating_point():
                     p.uniform_(-0.02, 0.02, generator=gen)
 
+    def _profile_run(self, layout) -> None:
+        """One full-budget prefill on throw-away caches, so the planner sees the activation peak."""
+        cfg = self.config
+        n = min(cfg.max_num_batched_tokens, self.max_model_len)
+        blocks = -(-n // cfg.block_size)
+        tmp = MemoryPlan(blocks, cfg.block_size, 1, 0, 0)
+        caches, _ = allocate_caches(layout, tmp, self.dtype, self.device)
+        runner = ModelRunner(self.model, caches, cfg.block_size, self.device)
+        seq = Sequence("profile", 0, [0] * n, SamplingParams(max_tokens=1, temperature=0.0))
+        seq.block_table, seq.state_slot, seq.num_new_tokens = list(range(blocks)), 0, n
+        runner.run([seq])
+        del runner, caches
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+
     def _plan_memory(self, layout) -> MemoryPlan:
         cfg = self.config
-        useful = cfg.max_num_seqs * -(-self.max_model_len // cfg.block_size)
+        useful = cfg.max_num_seqs * -(-self.max_model_len // cfg.block_size) + 1  # + the scratch block
         if self.device.type == "cuda":
             budget = cuda_cache_budget(self.device, cfg.gpu_memory_utilization)
         else:
             budget = int(cfg.cpu_kv_cache_space_gb * GiB)
-        return plan_memory(layout, budget_bytes=budget, block_size=cfg.block_size, num_slots=cfg.max_num_seqs,
-                           dtype=self.dtype, max_blocks_useful=useful, num_blocks_override=cfg.num_kv_blocks)
+        override = cfg.num_kv_blocks + 1 if cfg.num_kv_blocks is not None else None
+        return plan_memory(layout, budget_bytes=budget, block_size=cfg.block_size, num_slots=cfg.max_num_seqs + 1,
+                           dtype=self.dtype, max_blocks_useful=useful, num_blocks_override=override)
 
     # ---- requests
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import torch
 
+from armillary.cuda_graphs import CUDAGraphDecoder
 from armillary.forward_batch import ForwardBatch, LayerCache
 from armillary.model_base import CausalLM
 from armillary.sampler import Sampler, SamplerOutput
@@ -11,8 +12,9 @@ from armillary.sequence import Sequence
 
 class ModelRunner:
     def __init__(self, model: CausalLM, caches: list[LayerCache | None], block_size: int,
-                 device: torch.device, sampler: Sampler | None = None) -> None:
+                 device: torch.device, sampler: Sampler | None = None, graphs: CUDAGraphDecoder | None = None) -> None:
         self.model = model
+        self.graphs = graphs
         self.caches = caches
         self.block_size = block_size
         self.device = device
@@ -71,7 +73,10 @@ class ModelRunner:
     def run(self, seqs: list[Sequence]) -> tuple[list[Sequence], torch.Tensor | None, SamplerOutput | None]:
         """Forward the step; returns (sequences sampled, their logits [N, V], sampler output)."""
         batch, sampled = self.prepare(seqs)
-        hidden = self.model(batch)
+        if self.graphs is not None and self.graphs.can_run(batch):
+            hidden = self.graphs.run(batch)
+        else:
+            hidden = self.model(batch)
         if not sampled:
             return sampled, None, None
         logits = self.model.compute_logits(hidden[batch.logits_indices])
