@@ -1,0 +1,49 @@
+"""Gated full attention: per-head [query | gate] projection, zero-centred q/k norms, partial RoPE,
+paged KV, output ``o_proj(attn · sigmoid(gate))``.
+
+Qwen3.5's interleaved M-RoPE gives every frequency one of the three (t, h, w) position streams;
+for text the three streams are equal, so it is exactly this plain partial RoPE.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from armillary.forward_batch import ForwardBatch, KVCache
+from armillary.kernels.attention import paged_attention, write_kv
+from armillary.kernels.rotary import apply_rotary
+from armillary_qwen_gdn_moe.config import QwenHybridConfig
+from armillary_qwen_gdn_moe.layers import ZeroCenteredRMSNorm, linear
+
+
+class GatedAttention(nn.Module):
+    def __init__(self, cfg: QwenHybridConfig) -> None:
+        super().__init__()
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = cfg.num_key_value_heads
+        self.head_dim = cfg.head_dim
+        hidden, bias = cfg.hidden_size, cfg.attention_bias
+        self.q_proj = linear(hidden, 2 * self.num_heads * self.head_dim, bias)
+        self.k_proj = linear(hidden, self.num_kv_heads * self.head_dim, bias)
+        self.v_proj = linear(hidden, self.num_kv_heads * self.head_dim, bias)
+        self.o_proj = linear(self.num_heads * self.head_dim, hidden, bias)
+        self.q_norm = ZeroCenteredRMSNorm(self.head_dim, cfg.rms_norm_eps)
+        self.k_norm = ZeroCenteredRMSNorm(self.head_dim, cfg.rms_norm_eps)
+        self.scale = self.head_dim**-0.5
+
+    def forward(
+        self, x: torch.Tensor, batch: ForwardBatch, cache: KVCache, cos: torch.Tensor, sin: torch.Tensor
+    ) -> torch.Tensor:
+        """x: [T, H]; cos, sin: [T, rotary_dim // 2] -> [T, H]. Writes the new K/V to ``cache``."""
+        num_tokens = x.shape[0]
+        query_gate = self.q_proj(x).view(num_tokens, self.num_heads, 2 * self.head_dim)
+        query, gate = query_gate.split(self.head_dim, dim=-1)  # [T, Hq, D] each
+        q = apply_rotary(self.q_norm(query), cos, sin)
+        k = apply_rotary(self.k_norm(self.k_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)), cos, sin)
+        v = self.v_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)
+        write_kv(cache, k, v, batch.slot_mapping)
+        attn = paged_attention(
+            q, cache, batch.block_tables, batch.query_start_loc_cpu, batch.seq_lens_cpu, scale=self.scale
+        )  # [T, Hq, D]
+        gated = attn.reshape(num_tokens, -1) * torch.sigmoid(gate.reshape(num_tokens, -1))
+        return self.o_proj(gated)

@@ -1,0 +1,67 @@
+"""Decoder layer (token mixer + feed-forward, pre-norm residuals) and the layer stack."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from armillary.forward_batch import ForwardBatch, KVCache, LayerCache, RecurrentState
+from armillary.kernels.rotary import rotary_cos_sin, rotary_inv_freq
+from armillary_qwen_gdn_moe.attention import GatedAttention
+from armillary_qwen_gdn_moe.config import LINEAR_ATTENTION, QwenHybridConfig
+from armillary_qwen_gdn_moe.gated_deltanet import GatedDeltaNet
+from armillary_qwen_gdn_moe.layers import SwiGLUMLP, ZeroCenteredRMSNorm, embedding
+from armillary_qwen_gdn_moe.moe import SparseMoeBlock
+
+
+class DecoderLayer(nn.Module):
+    """h += mixer(norm(h)); h += mlp(norm(h)). The mixer is ``linear_attn`` (GDN) or ``self_attn``."""
+
+    def __init__(self, cfg: QwenHybridConfig, layer_type: str, is_moe: bool) -> None:
+        super().__init__()
+        self.is_linear = layer_type == LINEAR_ATTENTION
+        if self.is_linear:
+            self.linear_attn = GatedDeltaNet(cfg)
+        else:
+            self.self_attn = GatedAttention(cfg)
+        if is_moe:
+            self.mlp: nn.Module = SparseMoeBlock(cfg)
+        else:
+            self.mlp = SwiGLUMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act)
+        self.input_layernorm = ZeroCenteredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = ZeroCenteredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(
+        self, h: torch.Tensor, batch: ForwardBatch, cache: LayerCache | None, cos: torch.Tensor, sin: torch.Tensor
+    ) -> torch.Tensor:
+        """h: [T, H] -> [T, H]; ``cache`` is this layer's ``RecurrentState`` or ``KVCache``."""
+        x = self.input_layernorm(h)
+        if self.is_linear:
+            if not isinstance(cache, RecurrentState):
+                raise TypeError(f"a GDN layer needs a RecurrentState cache, got {type(cache).__name__}")
+            h = h + self.linear_attn(x, batch, cache)
+        else:
+            if not isinstance(cache, KVCache):
+                raise TypeError(f"an attention layer needs a KVCache, got {type(cache).__name__}")
+            h = h + self.self_attn(x, batch, cache, cos, sin)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class HybridModel(nn.Module):
+    """``embed_tokens``, ``layers``, final ``norm`` (checkpoint prefix ``model.``)."""
+
+    def __init__(self, cfg: QwenHybridConfig) -> None:
+        super().__init__()
+        self.embed_tokens = embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(
+            DecoderLayer(cfg, layer_type, cfg.is_moe(i)) for i, layer_type in enumerate(cfg.layer_types)
+        )
+        self.norm = ZeroCenteredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.register_buffer("inv_freq", rotary_inv_freq(cfg.rotary_dim, cfg.rope_theta), persistent=False)
+
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        """All new tokens of the step -> final-normed hidden states [T, H]."""
+        h = self.embed_tokens(batch.input_ids)
+        cos, sin = rotary_cos_sin(batch.positions, self.inv_freq)
+        for i, layer in enumerate(self.layers):
+            h = layer(h, batch, batch.caches[i], cos, sin)
+        return self.norm(h)

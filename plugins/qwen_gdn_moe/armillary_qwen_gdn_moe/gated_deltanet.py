@@ -1,0 +1,111 @@
+"""Gated DeltaNet token mixer (the linear-attention layers of Qwen3-Next / Qwen3.5).
+
+x -> in_proj -> [q ‖ k ‖ v | z | b | a]; causal depthwise conv + SiLU over q ‖ k ‖ v (continuing
+from the slot's conv state); beta = sigmoid(b), g = -exp(A_log) · softplus(a + dt_bias); the gated
+delta rule over L2-normalised q, k (chunked for prefill chunks, recurrent for single-token
+decodes), continuing from and writing back the slot's fp32 state; x̂ · w · silu(z); out_proj.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.utils import skip_init
+
+from armillary.forward_batch import ForwardBatch, RecurrentState
+from armillary.kernels.conv1d import causal_conv1d_varlen
+from armillary_qwen_gdn_moe.config import QwenHybridConfig
+from armillary_qwen_gdn_moe.layers import GatedRMSNorm, empty_parameter, linear
+from armillary_qwen_gdn_moe.ops.gated_delta_rule import chunk_gated_delta_rule_ref, recurrent_gated_delta_rule_ref
+
+
+class GatedDeltaNet(nn.Module):
+    """Parameters: ``in_proj`` rows [q | k | v | z | b | a] (heads in order; both checkpoint layouts
+    are rearranged into it by weights.py), ``conv1d.weight`` [C, 1, K], ``A_log`` and ``dt_bias``
+    [HV] float32, ``norm.weight`` [V], ``out_proj``."""
+
+    def __init__(self, cfg: QwenHybridConfig) -> None:
+        super().__init__()
+        self.num_k_heads = cfg.linear_num_key_heads
+        self.num_v_heads = cfg.linear_num_value_heads
+        self.head_k_dim = cfg.linear_key_head_dim
+        self.head_v_dim = cfg.linear_value_head_dim
+        self.key_dim = self.num_k_heads * self.head_k_dim
+        self.value_dim = self.num_v_heads * self.head_v_dim
+        self.conv_dim = cfg.conv_dim
+        self.activation = cfg.hidden_act
+        self.in_proj = linear(cfg.hidden_size, self.conv_dim + self.value_dim + 2 * self.num_v_heads)
+        self.conv1d = skip_init(
+            nn.Conv1d, self.conv_dim, self.conv_dim, cfg.conv_kernel, groups=self.conv_dim, bias=False,
+            device=torch.get_default_device(),
+        )
+        # the decay parameters stay float32 whatever the model dtype
+        self.A_log = empty_parameter(self.num_v_heads, dtype=torch.float32)
+        self.dt_bias = empty_parameter(self.num_v_heads, dtype=torch.float32)
+        self.norm = GatedRMSNorm(self.head_v_dim, cfg.rms_norm_eps)
+        self.out_proj = linear(self.value_dim, cfg.hidden_size)
+
+    def in_proj_rows(self) -> dict[str, tuple[int, int]]:
+        """Row range of each logical projection inside ``in_proj.weight``."""
+        sizes = {"q": self.key_dim, "k": self.key_dim, "v": self.value_dim, "z": self.value_dim,
+                 "b": self.num_v_heads, "a": self.num_v_heads}
+        rows, start = {}, 0
+        for name, size in sizes.items():
+            rows[name] = (start, start + size)
+            start += size
+        return rows
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, cache: RecurrentState) -> torch.Tensor:
+        """x: [T, H] -> [T, H]; updates this layer's conv and SSM states of ``batch.state_slots``."""
+        num_tokens = x.shape[0]
+        conv_states, ssm_states = cache.tensors
+        mixed_qkv, z, b, a = self.in_proj(x).split(
+            [self.conv_dim, self.value_dim, self.num_v_heads, self.num_v_heads], dim=-1
+        )
+        mixed_qkv = causal_conv1d_varlen(
+            mixed_qkv, self.conv1d.weight[:, 0], None, conv_states, batch.state_slots,
+            batch.query_start_loc_cpu, activation=self.activation,
+        )
+        q, k, v = mixed_qkv.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        q = q.reshape(num_tokens, self.num_k_heads, self.head_k_dim)
+        k = k.reshape(num_tokens, self.num_k_heads, self.head_k_dim)
+        v = v.reshape(num_tokens, self.num_v_heads, self.head_v_dim)
+        beta = torch.sigmoid(b)
+        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())  # [T, HV] log decay
+        core = self._delta_rule(q, k, v, g, beta, batch, ssm_states)  # [T, HV, V]
+        core = self.norm(core, z.reshape(num_tokens, self.num_v_heads, self.head_v_dim))
+        return self.out_proj(core.reshape(num_tokens, self.value_dim))
+
+    @staticmethod
+    def _delta_rule(
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        g: torch.Tensor,
+        beta: torch.Tensor,
+        batch: ForwardBatch,
+        ssm_states: torch.Tensor,
+    ) -> torch.Tensor:
+        """Decodes (one new token) take the recurrent step, longer chunks the chunked form."""
+        bounds = batch.query_start_loc_cpu
+        lengths = [bounds[i + 1] - bounds[i] for i in range(len(bounds) - 1)]
+        out = torch.empty_like(v)
+        groups = (
+            ([i for i, n in enumerate(lengths) if n == 1], recurrent_gated_delta_rule_ref),
+            ([i for i, n in enumerate(lengths) if n > 1], chunk_gated_delta_rule_ref),
+        )
+        for seqs, rule in groups:
+            if not seqs:
+                continue
+            tokens = torch.cat([torch.arange(bounds[i], bounds[i + 1]) for i in seqs]).to(v.device)
+            cu_seqlens = [0]
+            for i in seqs:
+                cu_seqlens.append(cu_seqlens[-1] + lengths[i])
+            slots = batch.state_slots[torch.tensor(seqs, device=batch.state_slots.device)]
+            o, final = rule(
+                q[tokens], k[tokens], v[tokens], g[tokens], beta[tokens], cu_seqlens,
+                initial_state=ssm_states[slots],
+            )
+            out[tokens] = o
+            ssm_states[slots] = final.to(ssm_states.dtype)
+        return out

@@ -1,0 +1,67 @@
+"""The causal LM shared by Qwen3-Next and Qwen3.5 / 3.6: layer stack, LM head, optional MTP head.
+
+Subclasses only say how to read their config (``parse``).
+"""
+from __future__ import annotations
+
+from abc import abstractmethod
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+
+from armillary.cache_spec import FullAttention, LayerCacheSpec, Recurrent
+from armillary.forward_batch import ForwardBatch
+from armillary.hf_config import HFConfig
+from armillary.model_base import CausalLM
+from armillary_qwen_gdn_moe.config import LINEAR_ATTENTION, QwenHybridConfig
+from armillary_qwen_gdn_moe.decoder import HybridModel
+from armillary_qwen_gdn_moe.layers import linear
+from armillary_qwen_gdn_moe.mtp import MultiTokenPredictor
+from armillary_qwen_gdn_moe.weights import load_qwen_weights
+
+
+class QwenHybridForCausalLM(CausalLM):
+    """Built as ``cls(hf_config)`` under ``torch.device(device)`` and the model's default dtype."""
+
+    @classmethod
+    @abstractmethod
+    def parse(cls, hf_config: HFConfig) -> QwenHybridConfig:
+        """Read this architecture's config.json into the shared config."""
+
+    def __init__(self, hf_config: HFConfig) -> None:
+        super().__init__()
+        self.config = self.parse(hf_config)
+        cfg = self.config
+        self.model = HybridModel(cfg)
+        self.lm_head = linear(cfg.hidden_size, cfg.vocab_size)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.mtp = MultiTokenPredictor(cfg) if cfg.mtp_num_layers > 0 else None
+        self.requires_grad_(False)
+
+    @classmethod
+    def cache_layout(cls, hf_config: HFConfig) -> list[LayerCacheSpec | None]:
+        cfg = cls.parse(hf_config)
+        gdn_state = Recurrent(
+            shapes=(
+                (cfg.conv_dim, cfg.conv_kernel - 1),
+                (cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim),
+            ),
+            dtypes=(None, torch.float32),
+        )
+        attention = FullAttention(cfg.num_key_value_heads, cfg.head_dim)
+        return [gdn_state if t == LINEAR_ATTENTION else attention for t in cfg.layer_types]
+
+    @classmethod
+    def max_model_len(cls, hf_config: HFConfig) -> int | None:
+        return getattr(cls.text_config(hf_config), "max_position_embeddings", None)
+
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        return self.model(batch)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return F.linear(hidden, self.lm_head.weight).float()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        return load_qwen_weights(self, weights, self.config.tie_word_embeddings)

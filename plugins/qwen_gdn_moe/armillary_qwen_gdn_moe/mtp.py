@@ -1,0 +1,28 @@
+"""Multi-token prediction head (checkpoint prefix ``mtp.``), loaded with the model for speculative decoding.
+
+Layout (Qwen3-Next / Qwen3.5): ``pre_fc_norm_embedding`` and ``pre_fc_norm_hidden`` normalise the
+next token's embedding and the main model's hidden state, ``fc`` [H, 2H] maps their concatenation
+[embedding ; hidden] back to H, then full-attention decoder ``layers`` and a final ``norm``; the
+logits reuse the main ``lm_head``. The draft step that runs it belongs to the speculative runner.
+"""
+from __future__ import annotations
+
+from torch import nn
+
+from armillary_qwen_gdn_moe.config import FULL_ATTENTION, QwenHybridConfig
+from armillary_qwen_gdn_moe.decoder import DecoderLayer
+from armillary_qwen_gdn_moe.layers import ZeroCenteredRMSNorm, linear
+
+
+class MultiTokenPredictor(nn.Module):
+    def __init__(self, cfg: QwenHybridConfig) -> None:
+        super().__init__()
+        hidden = cfg.hidden_size
+        self.pre_fc_norm_embedding = ZeroCenteredRMSNorm(hidden, cfg.rms_norm_eps)
+        self.pre_fc_norm_hidden = ZeroCenteredRMSNorm(hidden, cfg.rms_norm_eps)
+        self.fc = linear(2 * hidden, hidden)
+        # MTP layers are MoE exactly when the main model has experts
+        self.layers = nn.ModuleList(
+            DecoderLayer(cfg, FULL_ATTENTION, is_moe=cfg.num_experts > 0) for _ in range(cfg.mtp_num_layers)
+        )
+        self.norm = ZeroCenteredRMSNorm(hidden, cfg.rms_norm_eps)

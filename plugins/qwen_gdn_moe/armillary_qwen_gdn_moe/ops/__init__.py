@@ -1,0 +1,1 @@
+"""Family kernels of the Qwen GDN models: naive references now, Triton implementations beside them."""
