@@ -1,4 +1,4 @@
-"""Tiny tensors run fastest on one intra-op thread (on a busy 2-core box, OpenMP waits dominate)."""
+"""Tiny tensors run fastest on one intra-op thread (on a 2-core box, OpenMP waits dominate)."""
 from __future__ import annotations
 
 import pytest

@@ -6,17 +6,18 @@ import torch
 
 from armillary import LLM, SamplingParams
 from armillary.errors import InvalidRequestError, ModelNotFoundError, PluginError
+from plugins.qwen_gdn_moe.tests.harness import qwen_registry
+from plugins.qwen_gdn_moe.tests.hf_models import CASES_BY_NAME, VOCAB, build_hf_model
 from tests.fixtures.logits_recorder import LogitsRecorder
-from tests.fixtures.tiny_models import save_tiny_model
-
-F, L = "full_attention", "linear_attention"
+from tests.fixtures.tiny_tokenizer import make_qwen_tokenizer
 
 
 @pytest.fixture(scope="module")
 def llm(tmp_path_factory):
     path = tmp_path_factory.mktemp("tiny")
-    save_tiny_model(path, "qwen3_next", [L, F], tokenizer=True)
-    return LLM(str(path), dtype="float32", max_model_len=96, max_num_seqs=8)
+    build_hf_model(CASES_BY_NAME["next_full_last"]).save_pretrained(path)
+    make_qwen_tokenizer(path, vocab_size=VOCAB)
+    return LLM(str(path), registry=qwen_registry(), dtype="float32", max_model_len=96, max_num_seqs=8)
 
 
 def sample(**kw) -> SamplingParams:
@@ -118,12 +119,12 @@ def test_abort_frees_everything(llm):
 
 def test_unknown_model_directory(tmp_path):
     with pytest.raises(ModelNotFoundError) as err:
-        LLM(str(tmp_path / "nope"))
+        LLM(str(tmp_path / "nope"), registry=qwen_registry())
     assert "nope" in str(err.value)
 
 
 def test_architecture_no_plugin_serves(tmp_path):
     (tmp_path / "config.json").write_text('{"architectures": ["MysteryForCausalLM"], "model_type": "mystery"}')
     with pytest.raises(PluginError) as err:
-        LLM(str(tmp_path))
+        LLM(str(tmp_path), registry=qwen_registry())
     assert "MysteryForCausalLM" in str(err.value) and "Qwen3NextForCausalLM" in str(err.value)
