@@ -15,8 +15,8 @@ from armillary.hf_config import HFConfig
 class CausalLM(nn.Module, ABC):
     """A decoder that runs on packed ``ForwardBatch`` input.
 
-    Constructed as ``cls(hf_config, dtype=..., device=...)`` under ``torch.device(device)``;
-    parameters may be left uninitialised since ``load_weights`` fills them all.
+    Constructed as ``cls(hf_config)`` under ``torch.device(device)`` with the model dtype as torch's
+    default dtype; parameters may be left uninitialised since ``load_weights`` fills them all.
     """
 
     @classmethod
@@ -44,7 +44,7 @@ class CausalLM(nn.Module, ABC):
     @classmethod
     def max_model_len(cls, hf_config: HFConfig) -> int | None:
         """Longest context the checkpoint supports, if the config says."""
-        return getattr(hf_config, "max_position_embeddings", None)
+        return getattr(cls.text_config(hf_config), "max_position_embeddings", None)
 
     @classmethod
     def text_config(cls, hf_config: HFConfig) -> HFConfig:

@@ -53,10 +53,6 @@ class QwenHybridForCausalLM(CausalLM):
         attention = FullAttention(cfg.num_key_value_heads, cfg.head_dim)
         return [gdn_state if t == LINEAR_ATTENTION else attention for t in cfg.layer_types]
 
-    @classmethod
-    def max_model_len(cls, hf_config: HFConfig) -> int | None:
-        return getattr(cls.text_config(hf_config), "max_position_embeddings", None)
-
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         return self.model(batch)
 
