@@ -1,0 +1,114 @@
+"""Anthropic routes: ``/v1/messages`` (streaming and not) and ``/v1/messages/count_tokens``."""
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+from fastapi import APIRouter
+from starlette.concurrency import run_in_threadpool
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from armillary.parsers.base import ParserPipeline
+from armillary.server import anthropic_render as render
+from armillary.server.async_engine import RequestStream
+from armillary.server.errors import anthropic_error_body, not_supported
+from armillary.server.openai_api import CLIENT_CLOSED, collect
+from armillary.server.prompts import (
+    RenderedPrompt,
+    anthropic_messages,
+    anthropic_tools,
+    check_anthropic_tool_choice,
+    render_chat,
+    template_kwargs,
+    thinking_flag,
+)
+from armillary.server.protocol_anthropic import CountTokensRequest, MessagesRequest
+from armillary.server.sampling import build_sampling_params
+from armillary.server.state import ServerState, engine_error, new_id, parse_body, read_json
+from armillary.server.streaming import EventStreamResponse, OutputDeltas, sse_event, until_disconnect
+
+
+async def _render(state: ServerState, body: CountTokensRequest) -> tuple[RenderedPrompt, list[dict] | None, bool]:
+    """The prompt for a Messages body, its tools in OpenAI form, and whether tool calls are parsed."""
+    tools = anthropic_tools(body.tools)
+    parse_tools = check_anthropic_tool_choice(body.tool_choice, tools is not None)
+    if body.thinking is not None:
+        enable_thinking = thinking_flag(body.thinking)
+    else:  # Anthropic's thinking is opt-in, unless the operator made it the server's default
+        enable_thinking = bool(state.default_template_kwargs.get("enable_thinking", False))
+    output = body.output_config
+    if output is not None and output.format is not None:
+        raise not_supported("output_config.format (structured output)", param="output_config.format")
+    kwargs = template_kwargs(state.default_template_kwargs, None, enable_thinking=enable_thinking,
+                             reasoning_effort=output.effort if output is not None else None)
+    messages = anthropic_messages(body.system, body.messages)
+    prompt = await run_in_threadpool(render_chat, state.tokenizer, messages, tools if parse_tools else None, kwargs)
+    return prompt, tools, parse_tools
+
+
+def build_router(state: ServerState) -> APIRouter:
+    router = APIRouter()
+
+    @router.post("/v1/messages/count_tokens")
+    async def count_tokens(request: Request) -> JSONResponse:
+        body = parse_body(CountTokensRequest, await read_json(request, state.max_body_bytes))
+        state.model_name(body.model)
+        state.require_ready()
+        prompt, _, _ = await _render(state, body)
+        return JSONResponse({"input_tokens": len(prompt.token_ids)})
+
+    @router.post("/v1/messages")
+    async def messages(request: Request) -> Response:
+        body = parse_body(MessagesRequest, await read_json(request, state.max_body_bytes))
+        model = state.model_name(body.model)
+        state.require_ready()
+        prompt, tools, parse_tools = await _render(state, body)
+        stop_sequences = list(body.stop_sequences or [])
+        params = build_sampling_params(state.generation_defaults, state.parsers.keep_special_tokens,
+                                       max_tokens=body.max_tokens, temperature=body.temperature, top_p=body.top_p,
+                                       top_k=body.top_k, stop=stop_sequences)
+        pipeline = state.parsers.pipeline(prompt.text, tools, parse_tools)
+        message_id = new_id("msg_")
+        stream = await state.submit(message_id, prompt.token_ids, params)
+        if body.stream:
+            return EventStreamResponse(_message_events(state, stream, message_id, model, pipeline,
+                                                       len(prompt.token_ids), stop_sequences))
+        final = await until_disconnect(request, collect(state, stream))
+        if final is None:
+            return Response(status_code=CLIENT_CLOSED)
+        out = final.outputs[0]
+        parsed = pipeline.parse_complete(out.text)
+        stop, stop_sequence = render.stop_reason(out.finish_reason, out.stop_reason, stop_sequences,
+                                                 bool(parsed.tool_calls))
+        return JSONResponse(render.message_json(message_id, model, render.content_blocks(parsed), stop,
+                                                stop_sequence, len(final.prompt_token_ids), len(out.token_ids)))
+
+    return router
+
+
+async def _message_events(state: ServerState, stream: RequestStream, message_id: str, model: str,
+                          pipeline: ParserPipeline, input_tokens: int,
+                          stop_sequences: list[str]) -> AsyncIterator[str]:
+    renderer = render.BlockStreamRenderer()
+    deltas = OutputDeltas()
+    try:
+        yield sse_event(*render.message_start(message_id, model, input_tokens))
+        yield sse_event(*render.PING)
+        async for out in stream:
+            for d in deltas.update(out):
+                events = pipeline.feed(d.text) if d.text else []
+                if d.finished_now:
+                    events += pipeline.finish()
+                for name, payload in renderer.render(events, final=d.finished_now):
+                    yield sse_event(name, payload)
+                if d.finished_now:
+                    stop, stop_sequence = render.stop_reason(d.finish_reason, d.stop_reason, stop_sequences,
+                                                             renderer.has_tool_use)
+                    for name, payload in render.message_end(stop, stop_sequence, len(out.outputs[0].token_ids)):
+                        yield sse_event(name, payload)
+    except Exception as exc:
+        yield sse_event("error", anthropic_error_body(engine_error(exc)))
+    finally:
+        if not stream.done:
+            state.engine.abort(stream.request_id)
+

@@ -1,0 +1,100 @@
+"""Prometheus metrics: HTTP requests by status, tokens, latency histograms, engine pool gauges."""
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+_TTFT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0,
+                 80.0)
+_ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4,
+                0.5, 0.75, 1.0, 2.5)
+
+# The routes a client may call; anything else is counted as "other" to bound label cardinality.
+KNOWN_ROUTES = frozenset({
+    "/v1/models", "/v1/chat/completions", "/v1/completions", "/v1/messages", "/v1/messages/count_tokens",
+    "/health", "/metrics", "/tokenize", "/detokenize",
+})
+
+
+class _EngineCollector(Collector):
+    """Reads the engine's last stats snapshot at scrape time."""
+
+    def __init__(self, stats: Callable[[], dict]) -> None:
+        self._stats = stats
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        s = self._stats()
+
+        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+            return GaugeMetricFamily(f"armillary_{name}", doc, value=float(value))
+
+        blocks_total = s.get("kv_blocks_total", 0)
+        blocks_used = s.get("kv_blocks_used", 0)
+        slots_total = s.get("state_slots_total", 0)
+        slots_used = s.get("state_slots_used", 0)
+        yield gauge("num_requests_waiting", "Requests the scheduler has not started", s.get("num_waiting", 0))
+        yield gauge("num_requests_running", "Requests the scheduler is running", s.get("num_running", 0))
+        yield gauge("queue_depth", "Requests waiting for their first output (what --max-queue-size bounds)",
+                    s.get("num_waiting_first_output", 0))
+        yield gauge("kv_blocks_total", "Paged KV cache blocks in the pool", blocks_total)
+        yield gauge("kv_blocks_used", "Paged KV cache blocks held", blocks_used)
+        yield gauge("kv_cache_usage_ratio", "Fraction of KV blocks held", blocks_used / blocks_total if blocks_total else 0)
+        yield gauge("state_slots_total", "Recurrent-state slots in the pool", slots_total)
+        yield gauge("state_slots_used", "Recurrent-state slots held", slots_used)
+        yield gauge("state_slots_usage_ratio", "Fraction of recurrent-state slots held",
+                    slots_used / slots_total if slots_total else 0)
+        yield gauge("prefix_cache_hit_rate", "Prefix cache hits over lookups", s.get("prefix_cache_hit_rate", 0.0))
+        if "num_preemptions" in s:
+            yield gauge("num_preemptions", "Sequences preempted so far", s["num_preemptions"])
+
+
+class ServerMetrics:
+    """One Prometheus registry per server (so tests can build several apps in one process)."""
+
+    def __init__(self, stats: Callable[[], dict]) -> None:
+        self.registry = CollectorRegistry()
+        self.http_requests = Counter("armillary_http_requests", "HTTP requests by route and status code",
+                                     ["route", "status"], registry=self.registry)
+        self.requests_finished = Counter("armillary_requests_finished", "Generation requests by finish reason",
+                                         ["finish_reason"], registry=self.registry)
+        self.prompt_tokens = Counter("armillary_prompt_tokens", "Prompt tokens prefilled", registry=self.registry)
+        self.generation_tokens = Counter("armillary_generation_tokens", "Tokens generated", registry=self.registry)
+        self.time_to_first_token = Histogram("armillary_time_to_first_token_seconds",
+                                             "From submission to the first output", buckets=_TTFT_BUCKETS,
+                                             registry=self.registry)
+        self.inter_token_latency = Histogram("armillary_inter_token_latency_seconds",
+                                             "Between consecutive output tokens of one sequence",
+                                             buckets=_ITL_BUCKETS, registry=self.registry)
+        self.registry.register(_EngineCollector(stats))
+
+    # ---- AsyncEngine observer interface
+
+    def first_output(self, seconds: float, prompt_tokens: int) -> None:
+        self.time_to_first_token.observe(seconds)
+        self.prompt_tokens.inc(prompt_tokens)
+
+    def inter_token(self, seconds: float, tokens: int) -> None:
+        for _ in range(tokens):
+            self.inter_token_latency.observe(seconds / tokens)
+
+    def tokens_generated(self, count: int) -> None:
+        self.generation_tokens.inc(count)
+
+    def request_finished(self, reason: str) -> None:
+        self.requests_finished.labels(finish_reason=reason).inc()
+
+    # ---- HTTP
+
+    def http_request(self, path: str, status: int) -> None:
+        route = path if path in KNOWN_ROUTES or path.startswith("/v1/models/") else "other"
+        if route.startswith("/v1/models/"):
+            route = "/v1/models/{model}"
+        self.http_requests.labels(route=route, status=str(status)).inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
