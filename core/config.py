@@ -1,7 +1,7 @@
 """Engine configuration: vLLM's argument names."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -29,6 +29,7 @@ class EngineConfig:
     enforce_eager: bool = False  # no CUDA graphs
     max_graph_batch: int = 256  # largest decode batch captured in a CUDA graph
     revision: str | None = None
+    plugin_args: dict = field(default_factory=dict)  # values of flags plugins added (armillary_add_cli_args)
 
     def torch_device(self) -> torch.device:
         if self.device == "auto":

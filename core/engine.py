@@ -252,20 +252,23 @@ class LLMEngine:
 
     def _append(self, seq: Sequence, token: int, text: SeqText) -> None:
         seq.token_ids.append(token)
-        stop = text.add(token)
         p = seq.params
-        if seq.num_output_tokens < p.min_tokens:
-            return
-        if stop is not None:
-            seq.stop_reason = stop
-            self.scheduler.finish(seq, "stop")
-        elif token in p.stop_token_ids:
-            seq.stop_reason = token
-            self.scheduler.finish(seq, "stop")
-        elif not p.ignore_eos and token in seq.eos_token_ids:
-            self.scheduler.finish(seq, "stop")
-        elif seq.num_output_tokens >= seq.max_tokens:
-            self.scheduler.finish(seq, "length")
+        if seq.num_output_tokens >= p.min_tokens:
+            # a stop or end-of-sequence token ends the text without adding its own (as vLLM does)
+            if token in p.stop_token_ids:
+                seq.stop_reason = token
+                self.scheduler.finish(seq, "stop")
+            elif not p.ignore_eos and token in seq.eos_token_ids:
+                self.scheduler.finish(seq, "stop")
+        if not seq.is_finished:
+            stop = text.add(token)
+            if seq.num_output_tokens < p.min_tokens:
+                return
+            if stop is not None:
+                seq.stop_reason = stop
+                self.scheduler.finish(seq, "stop")
+            elif seq.num_output_tokens >= seq.max_tokens:
+                self.scheduler.finish(seq, "length")
         if seq.is_finished:
             text.finish()
 

@@ -81,16 +81,19 @@ def add_serve_args(parser: argparse.ArgumentParser, registry: PluginRegistry | N
         eng.add_argument("--" + dest.replace("_", "-"), dest=dest, type=kind, help=help_text)
     eng.add_argument("--enable-prefix-caching", action="store_true", default=None,
                      help="reuse KV blocks and state snapshots of shared prompt prefixes")
+    before = {action.dest for action in parser._actions}
     try:
         (registry or default_registry()).hook.armillary_add_cli_args(parser=parser)
     except ArmillaryError as exc:  # a broken plugin must not break --help; serving reports it again
         log.warning("plugin flags unavailable: %s", exc)
+    parser.set_defaults(plugin_arg_names=sorted({action.dest for action in parser._actions} - before))
 
 
 def engine_config(args: argparse.Namespace, model: str) -> EngineConfig:
     names = {f.name for f in dataclasses.fields(EngineConfig)}
     values = {name: getattr(args, name) for name in names if getattr(args, name, None) is not None}
     values["model"] = model
+    values["plugin_args"] = {name: getattr(args, name) for name in getattr(args, "plugin_arg_names", [])}
     return EngineConfig(**values)
 
 

@@ -63,6 +63,10 @@ def test_stop_token_ids_and_length(llm):
     assert out.token_ids == full.token_ids[: first + 1]
     assert out.finish_reason == "stop" and out.stop_reason == tok
     assert full.finish_reason == "length" and len(full.token_ids) == 10
+    # the stop token's own text is not part of the output, even when special tokens are kept
+    raw = llm.generate([[5, 6, 7]], sample(temperature=0.0, max_tokens=10, stop_token_ids=[tok],
+                                           skip_special_tokens=False))[0].outputs[0]
+    assert raw.text == llm.get_tokenizer().decode(raw.token_ids[:-1], skip_special_tokens=False)
 
 
 def test_logprobs_equal_log_softmax_of_logits(llm):

@@ -1,0 +1,142 @@
+"""Decode-shaped MoE expert GEMMs: few (token, slot) pairs, so the cost is streaming expert weights.
+
+No sorting: program (j, n) owns pair j's expert if j is that expert's first pair, streams one
+BLOCK_N-wide tile of the expert's weight rows once, and multiplies it against every pair routed
+to that expert (rows of the other pairs are masked out). Each weight byte of the chosen experts
+is read once whatever the batch; the MMA rows are padded to 16, which costs nothing here.
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+ACT_SILU = 0
+ACT_RELU2 = 1
+
+
+@triton.jit
+def _activation(x, ACTIVATION: tl.constexpr):
+    if ACTIVATION == 0:
+        return x * tl.sigmoid(x)
+    else:
+        relu = tl.maximum(x, 0.0)
+        return relu * relu
+
+
+@triton.jit
+def _owned_pairs(ids_ptr, num_pairs, PAIRS: tl.constexpr):
+    """(is this program the expert's owner, the expert, which pairs it serves: [PAIRS] bool)."""
+    pair = tl.program_id(0)
+    rows = tl.arange(0, PAIRS)
+    ids = tl.load(ids_ptr + rows, mask=rows < num_pairs, other=-1)
+    expert = tl.load(ids_ptr + pair)
+    served = ids == expert
+    first = tl.min(tl.where(served, rows, PAIRS), axis=0)
+    return first == pair, expert, served
+
+
+@triton.jit
+def moe_decode_up_kernel(
+    x_ptr,
+    w_ptr,
+    ids_ptr,
+    out_ptr,
+    num_pairs,
+    N,
+    K,
+    up_offset,
+    stride_xm,
+    stride_we,
+    stride_wn,
+    stride_om,
+    TOP_K: tl.constexpr,
+    GATED: tl.constexpr,
+    ACTIVATION: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    PAIRS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """out[p, n] = act(x[p // k] · W[e, n]) (· x[p // k] · W[e, up_offset + n] when gated), p served by e."""
+    owner, expert, served = _owned_pairs(ids_ptr, num_pairs, PAIRS)
+    if owner:
+        rows = tl.arange(0, PAIRS)
+        offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        safe_n = offs_n % N  # clamped rows keep the weight loads unmasked; their columns are not stored
+        offs_k = tl.arange(0, BLOCK_K)
+        tokens = tl.where(served, rows // TOP_K, 0)
+        x_ptrs = x_ptr + tokens[:, None] * stride_xm + offs_k[None, :]  # [PAIRS, BLOCK_K]
+        w_ptrs = w_ptr + expert.to(tl.int64) * stride_we + safe_n[None, :] * stride_wn + offs_k[:, None]  # [BLOCK_K, BLOCK_N]
+        acc = tl.zeros([PAIRS, BLOCK_N], dtype=tl.float32)
+        acc_up = tl.zeros([PAIRS, BLOCK_N], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            if EVEN_K:
+                a = tl.load(x_ptrs)
+                w = tl.load(w_ptrs)
+                if GATED:
+                    w_up = tl.load(w_ptrs + up_offset * stride_wn)
+            else:
+                k_ok = offs_k < K - k0
+                a = tl.load(x_ptrs, mask=k_ok[None, :], other=0.0)
+                w = tl.load(w_ptrs, mask=k_ok[:, None], other=0.0)
+                if GATED:
+                    w_up = tl.load(w_ptrs + up_offset * stride_wn, mask=k_ok[:, None], other=0.0)
+            acc = tl.dot(a, w, acc, input_precision=DOT_PRECISION)
+            if GATED:
+                acc_up = tl.dot(a, w_up, acc_up, input_precision=DOT_PRECISION)
+            x_ptrs += BLOCK_K
+            w_ptrs += BLOCK_K
+        h = _activation(acc, ACTIVATION)
+        if GATED:
+            h = h * acc_up
+        out_ptrs = out_ptr + rows[:, None] * stride_om + offs_n[None, :]
+        tl.store(out_ptrs, h.to(out_ptr.dtype.element_ty), mask=served[:, None] & (offs_n[None, :] < N))
+
+
+@triton.jit
+def moe_decode_down_kernel(
+    h_ptr,
+    w_ptr,
+    ids_ptr,
+    pair_weights_ptr,
+    out_ptr,
+    num_pairs,
+    N,
+    K,
+    stride_hm,
+    stride_we,
+    stride_wn,
+    stride_om,
+    EVEN_K: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    PAIRS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """out[p, n] = weight[p] · (h[p] · W2[e, n]) for the pairs p served by expert e."""
+    owner, expert, served = _owned_pairs(ids_ptr, num_pairs, PAIRS)
+    if owner:
+        rows = tl.arange(0, PAIRS)
+        offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        safe_n = offs_n % N
+        offs_k = tl.arange(0, BLOCK_K)
+        safe_rows = tl.where(served, rows, 0)
+        h_ptrs = h_ptr + safe_rows[:, None] * stride_hm + offs_k[None, :]
+        w_ptrs = w_ptr + expert.to(tl.int64) * stride_we + safe_n[None, :] * stride_wn + offs_k[:, None]
+        acc = tl.zeros([PAIRS, BLOCK_N], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            if EVEN_K:
+                a = tl.load(h_ptrs)
+                w = tl.load(w_ptrs)
+            else:
+                k_ok = offs_k < K - k0
+                a = tl.load(h_ptrs, mask=k_ok[None, :], other=0.0)
+                w = tl.load(w_ptrs, mask=k_ok[:, None], other=0.0)
+            acc = tl.dot(a, w, acc, input_precision=DOT_PRECISION)
+            h_ptrs += BLOCK_K
+            w_ptrs += BLOCK_K
+        scale = tl.load(pair_weights_ptr + rows, mask=served, other=0.0).to(tl.float32)
+        acc = acc * scale[:, None]
+        out_ptrs = out_ptr + rows[:, None] * stride_om + offs_n[None, :]
+        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=served[:, None] & (offs_n[None, :] < N))
