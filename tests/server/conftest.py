@@ -9,13 +9,12 @@ import pytest
 from tests.fixtures.tiny_models import save_tiny_model
 from tests.server.live_server import API_KEY, start_server
 
-F, L = "full_attention", "linear_attention"
 
 
 @pytest.fixture(scope="session")
 def tiny_checkpoint(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("server_tiny_qwen3_next")
-    save_tiny_model(path, "qwen3_next", [L, F], tokenizer=True)
+    save_tiny_model(path)
     return path
 
 
@@ -23,7 +22,7 @@ def tiny_checkpoint(tmp_path_factory) -> Path:
 def server(tiny_checkpoint, tmp_path_factory):
     """The shared server: API key on, a small body limit so 413 is cheap to provoke."""
     log_path = tmp_path_factory.mktemp("server_logs") / "serve.log"
-    live = start_server(tiny_checkpoint, log_path, "--api-key", API_KEY, "--max-model-len", "512",
+    live = start_server(tiny_checkpoint, log_path, "--api-key", API_KEY, "--max-model-len", "1024",
                         "--max-request-body-bytes", "65536")
     yield live
     code = live.stop(signal.SIGINT)  # Ctrl-C is as graceful as SIGTERM

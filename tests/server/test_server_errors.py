@@ -16,7 +16,7 @@ X_KEY = {"x-api-key": API_KEY}
 USER = [{"role": "user", "content": "hi"}]
 OK_CHAT = {"model": MODEL_NAME, "messages": USER, "max_tokens": 2}
 OK_MSG = {"model": MODEL_NAME, "messages": USER, "max_tokens": 2}
-LONG_PROMPT = "The quick brown fox jumps over the lazy dog. " * 80  # well over the 512-token context
+LONG_PROMPT = "The quick brown fox jumps over the lazy dog. " * 200  # well over the 1024-token context
 
 # (id, method, path, headers, body (dict / raw bytes), status, fragment of the message)
 CASES = [

@@ -216,7 +216,7 @@ def test_tools_present_streaming_equals_non_streaming(oai, thinking):
 def test_tokenize_detokenize(server):
     r = httpx.post(f"{server.url}/tokenize", headers=auth(),
                    json={"model": MODEL_NAME, "prompt": "hello world", "return_token_strs": True}).json()
-    assert r["count"] == len(r["tokens"]) == len(r["token_strs"]) and r["max_model_len"] == 512
+    assert r["count"] == len(r["tokens"]) == len(r["token_strs"]) and r["max_model_len"] == 1024
     assert "".join(r["token_strs"]) == "hello world"
     back = httpx.post(f"{server.url}/detokenize", headers=auth(), json={"tokens": r["tokens"]}).json()
     assert back == {"prompt": "hello world"}
