@@ -27,6 +27,7 @@ class CUDAGraphDecoder:
     def __init__(self, model: torch.nn.Module, caches: list[LayerCache | None], max_batch: int,
                  max_blocks_per_seq: int, block_size: int, scratch_block: int, scratch_slot: int,
                  device: torch.device) -> None:
+        self.max_seq_len = max_blocks_per_seq * block_size
         self.model = model
         self.block_size = block_size
         self.caches = caches
@@ -55,7 +56,7 @@ class CUDAGraphDecoder:
             seq_lens=self.seq_lens[:b], slot_mapping=self.slot_mapping[:b], block_tables=self.block_tables[:b],
             state_slots=self.state_slots[:b], logits_indices=self.logits_indices[:b], caches=self.caches,
             query_start_loc_cpu=list(range(b + 1)), context_lens_cpu=[0] * b, seq_lens_cpu=[1] * b,
-            is_decode_only=True,
+            is_decode_only=True, max_seq_len=self.max_seq_len,
         )
 
     def _reset_padding(self, start: int) -> None:

@@ -10,6 +10,7 @@ import torch
 from armillary.config import EngineConfig
 from armillary.cuda_graphs import CUDAGraphDecoder
 from armillary.errors import InvalidRequestError
+from armillary.kernels import ops
 from armillary.memory.block_manager import BlockManager
 from armillary.memory.planner import GiB, MemoryPlan, allocate_caches, cuda_cache_budget, plan_memory
 from armillary.memory.state_pool import StatePool
@@ -45,6 +46,7 @@ class LLMEngine:
         self.config = config
         self.registry = registry or default_registry()
         self.registry.hook.armillary_startup(config=config)
+        ops.set_backend(config.kernel_backend)
         self.source = open_model_source(config.model, config.revision, self.registry)
         self.model_path = self.source.path
         self.hf_config = self.source.hf_config()
@@ -77,7 +79,7 @@ class LLMEngine:
         self.states = StatePool(scratch_slot, state_tensors) if state_tensors else None
         self.scheduler = Scheduler(config.max_num_seqs, config.max_num_batched_tokens, self.blocks, self.states)
         graphs = None
-        if self.device.type == "cuda" and not config.enforce_eager:
+        if self.device.type == "cuda" and not config.enforce_eager and config.kernel_backend == "auto":
             max_blocks = -(-self.max_model_len // config.block_size)
             graphs = CUDAGraphDecoder(self.model, caches, min(config.max_num_seqs, config.max_graph_batch),
                                       max_blocks, config.block_size, scratch_block, scratch_slot, self.device)

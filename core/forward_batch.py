@@ -65,6 +65,7 @@ class ForwardBatch:
     logits_indices:   [N] int64, rows of the hidden output whose logits are sampled
     caches:           per layer of the model's cache_layout, or None
     *_cpu:            host copies of the small per-sequence vectors, for reference paths
+                      (placeholders inside CUDA-graph decode steps: fast paths must not read them)
     """
 
     input_ids: torch.Tensor
@@ -81,6 +82,7 @@ class ForwardBatch:
     context_lens_cpu: list[int] = field(default_factory=list)
     seq_lens_cpu: list[int] = field(default_factory=list)
     is_decode_only: bool = False
+    max_seq_len: int = 0  # longest seq_len; a CUDA graph passes its bucket's limit (kernel grids use it)
 
     @property
     def num_seqs(self) -> int:

@@ -66,6 +66,7 @@ class ModelRunner:
             context_lens_cpu=ctx_lens,
             seq_lens_cpu=seq_lens,
             is_decode_only=all(s.num_new_tokens == 1 for s in seqs),
+            max_seq_len=max(seq_lens),
         )
         return batch, sampled
 

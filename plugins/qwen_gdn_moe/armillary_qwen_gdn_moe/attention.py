@@ -10,8 +10,7 @@ import torch
 from torch import nn
 
 from armillary.forward_batch import ForwardBatch, KVCache
-from armillary.kernels.attention import paged_attention, write_kv
-from armillary.kernels.rotary import apply_rotary
+from armillary.kernels import ops
 from armillary_qwen_gdn_moe.config import QwenHybridConfig
 from armillary_qwen_gdn_moe.layers import ZeroCenteredRMSNorm, linear
 
@@ -38,12 +37,10 @@ class GatedAttention(nn.Module):
         num_tokens = x.shape[0]
         query_gate = self.q_proj(x).view(num_tokens, self.num_heads, 2 * self.head_dim)
         query, gate = query_gate.split(self.head_dim, dim=-1)  # [T, Hq, D] each
-        q = apply_rotary(self.q_norm(query), cos, sin)
-        k = apply_rotary(self.k_norm(self.k_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)), cos, sin)
+        q = ops.apply_rotary(self.q_norm(query), cos, sin)
+        k = ops.apply_rotary(self.k_norm(self.k_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)), cos, sin)
         v = self.v_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)
-        write_kv(cache, k, v, batch.slot_mapping)
-        attn = paged_attention(
-            q, cache, batch.block_tables, batch.query_start_loc_cpu, batch.seq_lens_cpu, scale=self.scale
-        )  # [T, Hq, D]
+        ops.store_kv(cache, k, v, batch)
+        attn = ops.attention(q, cache, batch, self.scale)  # [T, Hq, D]
         gated = attn.reshape(num_tokens, -1) * torch.sigmoid(gate.reshape(num_tokens, -1))
         return self.o_proj(gated)

@@ -31,19 +31,27 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = ZeroCenteredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(
-        self, h: torch.Tensor, batch: ForwardBatch, cache: LayerCache | None, cos: torch.Tensor, sin: torch.Tensor
-    ) -> torch.Tensor:
-        """h: [T, H] -> [T, H]; ``cache`` is this layer's ``RecurrentState`` or ``KVCache``."""
-        x = self.input_layernorm(h)
+        self, h: torch.Tensor, residual: torch.Tensor | None, batch: ForwardBatch, cache: LayerCache | None,
+        cos: torch.Tensor, sin: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(h, residual): [T, H] each; the residual stream is added into the next norm (fused on the GPU).
+
+        ``cache`` is this layer's ``RecurrentState`` or ``KVCache``.
+        """
+        if residual is None:
+            residual, x = h, self.input_layernorm(h)
+        else:
+            x, residual = self.input_layernorm.add(h, residual)
         if self.is_linear:
             if not isinstance(cache, RecurrentState):
                 raise TypeError(f"a GDN layer needs a RecurrentState cache, got {type(cache).__name__}")
-            h = h + self.linear_attn(x, batch, cache)
+            h = self.linear_attn(x, batch, cache)
         else:
             if not isinstance(cache, KVCache):
                 raise TypeError(f"an attention layer needs a KVCache, got {type(cache).__name__}")
-            h = h + self.self_attn(x, batch, cache, cos, sin)
-        return h + self.mlp(self.post_attention_layernorm(h))
+            h = self.self_attn(x, batch, cache, cos, sin)
+        x, residual = self.post_attention_layernorm.add(h, residual)
+        return self.mlp(x), residual
 
 
 class HybridModel(nn.Module):
@@ -62,6 +70,7 @@ class HybridModel(nn.Module):
         """All new tokens of the step -> final-normed hidden states [T, H]."""
         h = self.embed_tokens(batch.input_ids)
         cos, sin = rotary_cos_sin(batch.positions, self.inv_freq)
+        residual = None
         for i, layer in enumerate(self.layers):
-            h = layer(h, batch, batch.caches[i], cos, sin)
-        return self.norm(h)
+            h, residual = layer(h, residual, batch, batch.caches[i], cos, sin)
+        return self.norm.add(h, residual)[0]

@@ -6,7 +6,7 @@ from torch import nn
 from torch.nn.utils import skip_init
 
 from armillary.kernels.activation import get_activation
-from armillary.kernels.norm import gated_rms_norm, rms_norm
+from armillary.kernels import ops
 
 
 def linear(in_features: int, out_features: int, bias: bool = False) -> nn.Linear:
@@ -31,7 +31,11 @@ class ZeroCenteredRMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, self.weight, self.eps, zero_centered=True)
+        return ops.rms_norm(x, self.weight, self.eps, zero_centered=True)
+
+    def add(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(x + residual), x + residual), fused on the GPU."""
+        return ops.add_rms_norm(x, residual, self.weight, self.eps, zero_centered=True)
 
 
 class GatedRMSNorm(nn.Module):
@@ -43,7 +47,7 @@ class GatedRMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        return gated_rms_norm(x, gate, self.weight, self.eps)
+        return ops.gated_rms_norm(x, gate, self.weight, self.eps)
 
 
 class SwiGLUMLP(nn.Module):

@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from armillary.kernels.moe import fused_moe, softmax_topk
+from armillary.kernels import ops
 from armillary_qwen_gdn_moe.config import QwenHybridConfig
 from armillary_qwen_gdn_moe.layers import SwiGLUMLP, empty_parameter, linear
 
@@ -21,7 +21,7 @@ class StackedExperts(nn.Module):
         self.activation = activation
 
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
-        return fused_moe(x, self.gate_up_proj, self.down_proj, topk_weights, topk_ids, self.activation)
+        return ops.fused_moe(x, self.gate_up_proj, self.down_proj, topk_weights, topk_ids, self.activation)
 
 
 class SparseMoeBlock(nn.Module):
@@ -36,7 +36,7 @@ class SparseMoeBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [T, H] -> [T, H]."""
-        topk_weights, topk_ids = softmax_topk(self.gate(x), self.top_k, self.renormalize)
+        topk_weights, topk_ids = ops.softmax_topk(self.gate(x), self.top_k, self.renormalize)
         routed = self.experts(x, topk_weights, topk_ids)
         shared = F.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return routed + shared

@@ -1,0 +1,116 @@
+"""The kernel interfaces models call: Triton on CUDA, the plain-torch references elsewhere.
+
+``set_backend("reference")`` forces the references on CUDA too (the oracle for fast-path tests;
+the engine then runs eagerly, since the reference paths read host-side batch lists).
+"""
+from __future__ import annotations
+
+import torch
+
+from armillary.forward_batch import ForwardBatch, KVCache
+from armillary.kernels import attention as _attn
+from armillary.kernels import moe as _moe
+from armillary.kernels import norm as _norm
+from armillary.kernels import rotary as _rotary
+
+_BACKENDS = ("auto", "reference")
+_backend = "auto"
+
+
+def set_backend(name: str) -> None:
+    global _backend
+    if name not in _BACKENDS:
+        raise ValueError(f"kernel backend must be one of {_BACKENDS}, not {name!r}")
+    _backend = name
+
+
+def get_backend() -> str:
+    return _backend
+
+
+def use_triton(x: torch.Tensor) -> bool:
+    """Whether the Triton kernels serve this tensor's device under the current backend."""
+    return x.is_cuda and _backend == "auto"
+
+
+def store_kv(cache: KVCache, k: torch.Tensor, v: torch.Tensor, batch: ForwardBatch) -> None:
+    """Write new keys / values ``[T, Hkv, D]`` into the paged cache at ``batch.slot_mapping``."""
+    if use_triton(k):
+        from armillary.kernels.triton.kv_cache import write_kv_cache
+
+        write_kv_cache(k, v, cache.k, cache.v, batch.slot_mapping)
+    else:
+        _attn.write_kv(cache, k, v, batch.slot_mapping)
+
+
+def attention(q: torch.Tensor, cache: KVCache, batch: ForwardBatch, scale: float,
+              sliding_window: int | None = None, softcap: float | None = None) -> torch.Tensor:
+    """Causal attention of the step's queries ``[T, Hq, D]`` over each sequence's cached context."""
+    if not use_triton(q):
+        return _attn.paged_attention(q, cache, batch.block_tables, batch.query_start_loc_cpu, batch.seq_lens_cpu,
+                                     scale, sliding_window, softcap)
+    from armillary.kernels.triton import paged_attention as tri
+
+    if batch.is_decode_only:
+        return tri.paged_attention_decode(q, cache.k, cache.v, batch.block_tables, batch.seq_lens, scale,
+                                          sliding_window, softcap, max_seq_len=batch.max_seq_len)
+    return tri.paged_attention_prefill(q, cache.k, cache.v, batch.block_tables, batch.query_start_loc,
+                                       batch.seq_lens, batch.max_query_len, scale, sliding_window, softcap,
+                                       max_seq_len=batch.max_seq_len)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centered: bool = False) -> torch.Tensor:
+    if use_triton(x):
+        from armillary.kernels.triton.norm import rms_norm as tri
+
+        return tri(x, weight, eps, zero_centered)
+    return _norm.rms_norm(x, weight, eps, zero_centered)
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                 zero_centered: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """``r = x + residual`` (rounded to the model dtype) and ``rms_norm(r)``; returns (normed, r)."""
+    if use_triton(x):
+        from armillary.kernels.triton.norm import fused_add_rms_norm
+
+        return fused_add_rms_norm(x, residual, weight, eps, zero_centered)
+    r = x + residual
+    return _norm.rms_norm(r, weight, eps, zero_centered), r
+
+
+def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float,
+                   group_size: int | None = None, norm_before_gate: bool = True) -> torch.Tensor:
+    if use_triton(x):
+        from armillary.kernels.triton.norm import gated_rms_norm as tri
+
+        return tri(x, gate, weight, eps, group_size, norm_before_gate)
+    return _norm.gated_rms_norm(x, gate, weight, eps, group_size, norm_before_gate)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool = False) -> torch.Tensor:
+    """Rotary on the first ``2 * cos.shape[-1]`` dims of ``x: [T, H, D]``; cos, sin: [T, rot / 2]."""
+    if use_triton(x):
+        from armillary.kernels.triton.rotary import apply_rotary_
+
+        x = x.contiguous()
+        apply_rotary_(x, None, cos, sin, interleaved)
+        return x
+    return _rotary.apply_rotary(x, cos, sin, interleaved)
+
+
+def softmax_topk(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    if use_triton(router_logits):
+        from armillary.kernels.triton.moe_routing import topk_softmax
+
+        return topk_softmax(router_logits, top_k, renormalize)
+    return _moe.softmax_topk(router_logits, top_k, renormalize)
+
+
+def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+              topk_ids: torch.Tensor, activation: str = "silu") -> torch.Tensor:
+    """Routed experts: ``x: [T, H]``, ``w13: [E, 2I or I, H]``, ``w2: [E, H, I]`` -> ``[T, H]``."""
+    if use_triton(x):
+        from armillary.kernels.triton.moe import fused_moe as tri
+
+        return tri(x, w13, w2, topk_weights, topk_ids, activation)
+    return _moe.fused_moe(x, w13, w2, topk_weights, topk_ids, activation)
