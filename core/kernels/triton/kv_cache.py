@@ -63,7 +63,8 @@ def write_kv_cache(
     _write_kv_kernel[(T,)](
         k, v, k_cache, v_cache, slot_mapping,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         NUM_KV_HEADS=Hkv, HEAD_DIM=D, HEAD_DIM_V=Dv, BLOCK_H=block_h, BLOCK_D=block_d, BLOCK_DV=block_dv,
         PAGE=k_cache.shape[1], num_warps=4 if block_h * max(block_d, block_dv) >= 1024 else 1,
     )

@@ -20,15 +20,16 @@ from armillary.kernels.tuning import kernel_config
 TUNING_PACKAGE = "armillary.kernels"
 _ACTIVATIONS = {"silu": ACT_SILU, "swish": ACT_SILU, "relu2": ACT_RELU2}
 
+# defaults = the H200 measurements for ~64 rows per expert and for decode (tuning/sm_90.json)
 GROUPED_DEFAULTS = {
     "BLOCK_M": 64, "GROUP_M": 8,
-    "BLOCK_N1": 64, "BLOCK_K1": 64, "num_warps1": 4, "num_stages1": 3,
-    "BLOCK_N2": 64, "BLOCK_K2": 64, "num_warps2": 4, "num_stages2": 3,
+    "BLOCK_N1": 128, "BLOCK_K1": 64, "num_warps1": 4, "num_stages1": 4,
+    "BLOCK_N2": 128, "BLOCK_K2": 64, "num_warps2": 4, "num_stages2": 4,
 }  # fmt: skip
 DECODE_DEFAULTS = {
-    "max_pairs": 64,
-    "BLOCK_N1": 32, "BLOCK_K1": 128, "num_warps1": 4, "num_stages1": 4,
-    "BLOCK_N2": 64, "BLOCK_K2": 128, "num_warps2": 4, "num_stages2": 4,
+    "max_pairs": 16,
+    "BLOCK_N1": 64, "BLOCK_K1": 128, "num_warps1": 4, "num_stages1": 4,
+    "BLOCK_N2": 128, "BLOCK_K2": 64, "num_warps2": 4, "num_stages2": 4,
 }  # fmt: skip
 
 
@@ -177,7 +178,8 @@ def fused_moe(
 
     x: [T, H] bf16 / fp16 / fp32; w13: [E, 2I, H] rows [gate | up] (``act(gate) · up``) or
     [E, I, H] (``act(up)``, relu²); w2: [E, H, I]; topk_weights: [T, k] (float32 preferred);
-    topk_ids: [T, k] int32 / int64. Returns [T, H] in x's dtype. ``activation``: "silu" | "relu2".
+    topk_ids: [T, k] int32 / int64, distinct within a row (as top-k routing gives; the decode path
+    relies on it). Returns [T, H] in x's dtype. ``activation``: "silu" | "relu2".
     ``path``: "auto" (decode kernels when T·k <= the table's max_pairs), "decode", "grouped".
     ``config`` overrides the tuning-table entry (benchmarks, autotuning).
     """
@@ -198,21 +200,22 @@ def fused_moe(
     precision = "ieee" if x.dtype == torch.float32 else "tf32"
     pairs_out = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)  # [T * k, H]
 
-    decode = kernel_config(TUNING_PACKAGE, "fused_moe_decode", "default", DECODE_DEFAULTS, x.device)
+    pairs_pad = max(16, triton.next_power_of_2(num_pairs))
+    decode = kernel_config(TUNING_PACKAGE, "fused_moe_decode", f"p{pairs_pad}", DECODE_DEFAULTS, x.device)
     if path == "decode" or (path == "auto" and num_pairs <= decode["max_pairs"]):
         cfg = {**decode, **(config or {})}
-        pairs_pad = max(16, triton.next_power_of_2(num_pairs))
+        rows = max(16, triton.next_power_of_2(min(num_tokens, num_pairs)))  # most pairs one expert serves
         h = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)  # [T * k, I]
         moe_decode_up_kernel[(num_pairs, triton.cdiv(inter, cfg["BLOCK_N1"]))](
             x, w13, ids, h, num_pairs, inter, hidden, inter, x.stride(0), w13.stride(0), w13.stride(1), h.stride(0),
             TOP_K=top_k, GATED=gated, ACTIVATION=act, EVEN_K=hidden % cfg["BLOCK_K1"] == 0, DOT_PRECISION=precision,
-            PAIRS=pairs_pad, BLOCK_N=cfg["BLOCK_N1"], BLOCK_K=cfg["BLOCK_K1"],
+            PAIRS=pairs_pad, ROWS=rows, BLOCK_N=cfg["BLOCK_N1"], BLOCK_K=cfg["BLOCK_K1"],
             num_warps=cfg["num_warps1"], num_stages=cfg["num_stages1"],
         )  # fmt: skip
         moe_decode_down_kernel[(num_pairs, triton.cdiv(hidden, cfg["BLOCK_N2"]))](
             h, w2, ids, pair_weights, pairs_out, num_pairs, hidden, inter, h.stride(0), w2.stride(0), w2.stride(1),
             pairs_out.stride(0), EVEN_K=inter % cfg["BLOCK_K2"] == 0, DOT_PRECISION=precision,
-            PAIRS=pairs_pad, BLOCK_N=cfg["BLOCK_N2"], BLOCK_K=cfg["BLOCK_K2"],
+            PAIRS=pairs_pad, ROWS=rows, BLOCK_N=cfg["BLOCK_N2"], BLOCK_K=cfg["BLOCK_K2"],
             num_warps=cfg["num_warps2"], num_stages=cfg["num_stages2"],
         )  # fmt: skip
     elif path in ("auto", "grouped"):

@@ -1,9 +1,10 @@
 """Decode-shaped MoE expert GEMMs: few (token, slot) pairs, so the cost is streaming expert weights.
 
 No sorting: program (j, n) owns pair j's expert if j is that expert's first pair, streams one
-BLOCK_N-wide tile of the expert's weight rows once, and multiplies it against every pair routed
-to that expert (rows of the other pairs are masked out). Each weight byte of the chosen experts
-is read once whatever the batch; the MMA rows are padded to 16, which costs nothing here.
+BLOCK_N-wide tile of the expert's weight rows once, and multiplies it against the pairs routed to
+that expert, gathered into ROWS MMA rows (ROWS >= the most pairs one expert can get: a token picks
+an expert at most once, so min(T, pairs), padded to 16). Each weight byte of the chosen experts is
+read once whatever the batch.
 """
 from __future__ import annotations
 
@@ -24,15 +25,21 @@ def _activation(x, ACTIVATION: tl.constexpr):
 
 
 @triton.jit
-def _owned_pairs(ids_ptr, num_pairs, PAIRS: tl.constexpr):
-    """(is this program the expert's owner, the expert, which pairs it serves: [PAIRS] bool)."""
+def _owned_pairs(ids_ptr, num_pairs, PAIRS: tl.constexpr, ROWS: tl.constexpr):
+    """(does this program own the expert, the expert, pair of each MMA row [ROWS], row in use [ROWS])."""
     pair = tl.program_id(0)
-    rows = tl.arange(0, PAIRS)
-    ids = tl.load(ids_ptr + rows, mask=rows < num_pairs, other=-1)
+    offs = tl.arange(0, PAIRS)
+    ids = tl.load(ids_ptr + offs, mask=offs < num_pairs, other=-1)
     expert = tl.load(ids_ptr + pair)
-    served = ids == expert
-    first = tl.min(tl.where(served, rows, PAIRS), axis=0)
-    return first == pair, expert, served
+    served = ids == expert  # [PAIRS]
+    first = tl.min(tl.where(served, offs, PAIRS), axis=0)
+    # row r takes the r-th served pair: a one-hot over the (few) pairs instead of a gather
+    order = tl.cumsum(served.to(tl.int32), axis=0) - 1  # [PAIRS]
+    rows = tl.arange(0, ROWS)
+    hit = served[None, :] & (order[None, :] == rows[:, None])  # [ROWS, PAIRS]
+    row_pair = tl.sum(tl.where(hit, offs[None, :], 0), axis=1)  # [ROWS]
+    row_ok = rows < tl.sum(served.to(tl.int32), axis=0)
+    return first == pair, expert, row_pair, row_ok
 
 
 @triton.jit
@@ -55,21 +62,21 @@ def moe_decode_up_kernel(
     EVEN_K: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     PAIRS: tl.constexpr,
+    ROWS: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
     """out[p, n] = act(x[p // k] · W[e, n]) (· x[p // k] · W[e, up_offset + n] when gated), p served by e."""
-    owner, expert, served = _owned_pairs(ids_ptr, num_pairs, PAIRS)
+    owner, expert, row_pair, row_ok = _owned_pairs(ids_ptr, num_pairs, PAIRS, ROWS)
     if owner:
-        rows = tl.arange(0, PAIRS)
         offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         safe_n = offs_n % N  # clamped rows keep the weight loads unmasked; their columns are not stored
         offs_k = tl.arange(0, BLOCK_K)
-        tokens = tl.where(served, rows // TOP_K, 0)
-        x_ptrs = x_ptr + tokens[:, None] * stride_xm + offs_k[None, :]  # [PAIRS, BLOCK_K]
+        tokens = row_pair // TOP_K  # unused rows read token 0 and are not stored
+        x_ptrs = x_ptr + tokens[:, None] * stride_xm + offs_k[None, :]  # [ROWS, BLOCK_K]
         w_ptrs = w_ptr + expert.to(tl.int64) * stride_we + safe_n[None, :] * stride_wn + offs_k[:, None]  # [BLOCK_K, BLOCK_N]
-        acc = tl.zeros([PAIRS, BLOCK_N], dtype=tl.float32)
-        acc_up = tl.zeros([PAIRS, BLOCK_N], dtype=tl.float32)
+        acc = tl.zeros([ROWS, BLOCK_N], dtype=tl.float32)
+        acc_up = tl.zeros([ROWS, BLOCK_N], dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             if EVEN_K:
                 a = tl.load(x_ptrs)
@@ -90,8 +97,8 @@ def moe_decode_up_kernel(
         h = _activation(acc, ACTIVATION)
         if GATED:
             h = h * acc_up
-        out_ptrs = out_ptr + rows[:, None] * stride_om + offs_n[None, :]
-        tl.store(out_ptrs, h.to(out_ptr.dtype.element_ty), mask=served[:, None] & (offs_n[None, :] < N))
+        out_ptrs = out_ptr + row_pair[:, None] * stride_om + offs_n[None, :]
+        tl.store(out_ptrs, h.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & (offs_n[None, :] < N))
 
 
 @triton.jit
@@ -111,20 +118,19 @@ def moe_decode_down_kernel(
     EVEN_K: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     PAIRS: tl.constexpr,
+    ROWS: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
     """out[p, n] = weight[p] · (h[p] · W2[e, n]) for the pairs p served by expert e."""
-    owner, expert, served = _owned_pairs(ids_ptr, num_pairs, PAIRS)
+    owner, expert, row_pair, row_ok = _owned_pairs(ids_ptr, num_pairs, PAIRS, ROWS)
     if owner:
-        rows = tl.arange(0, PAIRS)
         offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         safe_n = offs_n % N
         offs_k = tl.arange(0, BLOCK_K)
-        safe_rows = tl.where(served, rows, 0)
-        h_ptrs = h_ptr + safe_rows[:, None] * stride_hm + offs_k[None, :]
+        h_ptrs = h_ptr + row_pair[:, None] * stride_hm + offs_k[None, :]  # [ROWS, BLOCK_K]
         w_ptrs = w_ptr + expert.to(tl.int64) * stride_we + safe_n[None, :] * stride_wn + offs_k[:, None]
-        acc = tl.zeros([PAIRS, BLOCK_N], dtype=tl.float32)
+        acc = tl.zeros([ROWS, BLOCK_N], dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             if EVEN_K:
                 a = tl.load(h_ptrs)
@@ -136,7 +142,7 @@ def moe_decode_down_kernel(
             acc = tl.dot(a, w, acc, input_precision=DOT_PRECISION)
             h_ptrs += BLOCK_K
             w_ptrs += BLOCK_K
-        scale = tl.load(pair_weights_ptr + rows, mask=served, other=0.0).to(tl.float32)
+        scale = tl.load(pair_weights_ptr + row_pair, mask=row_ok, other=0.0).to(tl.float32)
         acc = acc * scale[:, None]
-        out_ptrs = out_ptr + rows[:, None] * stride_om + offs_n[None, :]
-        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=served[:, None] & (offs_n[None, :] < N))
+        out_ptrs = out_ptr + row_pair[:, None] * stride_om + offs_n[None, :]
+        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & (offs_n[None, :] < N))

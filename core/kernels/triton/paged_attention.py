@@ -25,14 +25,15 @@ MAX_SPLITS = 64
 DECODE_DEFAULTS = {
     "d64": {"BLOCK_N": 64, "num_warps": 4, "num_stages": 2, "split_min_tokens": 256, "target_waves": 2},
     "d128": {"BLOCK_N": 64, "num_warps": 4, "num_stages": 2, "split_min_tokens": 256, "target_waves": 2},
-    "d256": {"BLOCK_N": 64, "num_warps": 4, "num_stages": 2, "split_min_tokens": 256, "target_waves": 2},
+    "d256": {"BLOCK_N": 32, "num_warps": 4, "num_stages": 2, "split_min_tokens": 256, "target_waves": 2},
     "d512": {"BLOCK_N": 32, "num_warps": 8, "num_stages": 2, "split_min_tokens": 256, "target_waves": 2},
 }
+_PREFILL_SPLITS = {"split_min_tokens": 1024, "target_waves": 1}
 PREFILL_DEFAULTS = {
-    "d64": {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2, "split_min_tokens": 1024, "target_waves": 1},
-    "d128": {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 2, "split_min_tokens": 1024, "target_waves": 1},
-    "d256": {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 8, "num_stages": 2, "split_min_tokens": 1024, "target_waves": 1},
-    "d512": {"BLOCK_M": 32, "BLOCK_N": 32, "num_warps": 8, "num_stages": 1, "split_min_tokens": 1024, "target_waves": 1},
+    "d64": {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2, **_PREFILL_SPLITS},
+    "d128": {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 2, **_PREFILL_SPLITS},
+    "d256": {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 2, **_PREFILL_SPLITS},
+    "d512": {"BLOCK_M": 32, "BLOCK_N": 32, "num_warps": 8, "num_stages": 1, **_PREFILL_SPLITS},
 }
 
 
