@@ -1,0 +1,1 @@
+"""armillary-llama: Llama-architecture models for armillary, from safetensors checkpoints or GGUF files."""

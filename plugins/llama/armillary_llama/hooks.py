@@ -1,0 +1,19 @@
+"""Entry point of the llama plugin (``[project.entry-points.armillary] llama = "armillary_llama.hooks"``).
+
+Hooks only name classes as ``"module:Class"`` strings; armillary imports them when a model needs them.
+"""
+from __future__ import annotations
+
+from armillary.hookspecs import hookimpl
+
+
+@hookimpl
+def armillary_register_architectures(registry) -> None:
+    registry.register("llama", ["LlamaForCausalLM"], "armillary_llama.model:LlamaForCausalLM",
+                      description="Llama (1/2/3.x), SmolLM, TinyLlama: dense decoders")
+
+
+@hookimpl
+def armillary_register_model_formats(registry) -> None:
+    registry.register("gguf_llama", "armillary_llama.gguf_source:GGUFSource",
+                      "llama-architecture GGUF files (llama.cpp): F32/F16/BF16, Q4_0/Q4_1/Q5_0/Q5_1/Q8_0, Q2_K-Q6_K")
