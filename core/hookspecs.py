@@ -40,6 +40,11 @@ def armillary_register_model_formats(registry: FormatRegistry) -> None:
     """Add ``FormatSpec`` records: model file formats (e.g. GGUF) and the ``ModelSource`` that opens them."""
 
 
+@hookspec(firstresult=True)
+def armillary_default_model() -> str | None:
+    """Optional: what ``armillary serve`` serves when no model is named (the first answer wins)."""
+
+
 @hookspec
 def armillary_add_cli_args(parser: argparse.ArgumentParser) -> None:
     """Optional: add plugin-specific flags to ``armillary serve``."""

@@ -10,6 +10,7 @@ import os
 import signal
 import threading
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import uvicorn
@@ -150,11 +151,16 @@ def run_serve(args: argparse.Namespace) -> int:
 
     _setup_logging(args.log_level)
     model = args.model_option or args.model_positional
-    if not model:
-        log.error("no model: give MODEL or --model")
-        return 2
     try:
         registry = default_registry()
+        if not model:
+            model = registry.hook.armillary_default_model()
+            if not model:
+                log.error("no model: give MODEL or --model (no installed plugin offers a default model)")
+                return 2
+            log.info("no model named: serving the default model %s", model)
+            if not args.served_model_name:  # clients name it by its model name, not its file path
+                args.served_model_name = [Path(model).name.split(".")[0]]
     except ArmillaryError as exc:
         log.error("%s", exc)
         return 1

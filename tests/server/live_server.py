@@ -42,9 +42,10 @@ class LiveServer:
         return values
 
 
-def start_server(checkpoint: Path, log_path: Path, *extra: str, timeout: float = 180.0) -> LiveServer:
-    cmd = [sys.executable, "-m", "armillary.cli", "serve", str(checkpoint), "--port", "0", "--dtype", "float32",
-           "--served-model-name", MODEL_NAME, *extra]
+def start_server(checkpoint: Path | None, log_path: Path, *extra: str, timeout: float = 180.0) -> LiveServer:
+    """``checkpoint=None`` starts ``armillary serve`` with no model: the plugins' default model."""
+    model = [str(checkpoint), "--dtype", "float32", "--served-model-name", MODEL_NAME] if checkpoint else []
+    cmd = [sys.executable, "-m", "armillary.cli", "serve", *model, "--port", "0", *extra]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     env.pop("ARMILLARY_API_KEY", None)
     log_file = open(log_path, "w")

