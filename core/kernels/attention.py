@@ -43,6 +43,8 @@ def paged_attention(
     """
     T, Hq, _ = q.shape
     Hkv = cache.k.shape[2]
+    if T == len(seq_lens) and T > 1 and not softcap:
+        return _decode_batched(q, cache, block_tables, seq_lens, scale, sliding_window)
     out = q.new_empty(T, Hq, cache.v.shape[3])
     for b in range(len(seq_lens)):
         s, e = query_start_loc[b], query_start_loc[b + 1]
@@ -64,3 +66,24 @@ def paged_attention(
         scores = scores.masked_fill(~mask, float("-inf"))
         out[s:e] = (scores.softmax(-1) @ v).transpose(0, 1).to(q.dtype)
     return out
+
+
+def _decode_batched(q: torch.Tensor, cache: KVCache, block_tables: torch.Tensor, seq_lens: list[int],
+                    scale: float, sliding_window: int | None) -> torch.Tensor:
+    """One query per sequence, all sequences at once over their padded block tables (no Python loop)."""
+    B, Hq, _ = q.shape
+    Hkv, bs = cache.k.shape[2], cache.block_size
+    nblocks = -(-max(seq_lens) // bs)
+    blocks = block_tables[:, :nblocks].long()
+    k = cache.k[blocks].flatten(1, 2).float()  # [B, L, Hkv, D]
+    v = cache.v[blocks].flatten(1, 2).float()
+    qg = q.float().view(B, Hkv, Hq // Hkv, -1)  # [B, Hkv, G, D]
+    scores = torch.einsum("bhgd,blhd->bhgl", qg, k) * scale
+    lens = torch.tensor(seq_lens, device=q.device)[:, None]  # [B, 1]
+    kpos = torch.arange(k.shape[1], device=q.device)[None, :]
+    mask = kpos < lens
+    if sliding_window:
+        mask &= kpos >= lens - sliding_window
+    scores = scores.masked_fill(~mask[:, None, None, :], float("-inf"))
+    out = torch.einsum("bhgl,blhd->bhgd", scores.softmax(-1), v)
+    return out.reshape(B, Hq, -1).to(q.dtype)
