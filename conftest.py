@@ -1,12 +1,19 @@
-"""Tiny tensors run fastest on one intra-op thread (on a 2-core box, OpenMP waits dominate)."""
+"""Suite-wide settings: Triton's interpreter without a GPU, one intra-op thread for tiny tensors."""
 from __future__ import annotations
+
+import os
 
 import pytest
 import torch
 
+if not torch.cuda.is_available():
+    # the interpreter is chosen when a kernel is defined, so it must be set before any test imports one
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 
 @pytest.fixture(autouse=True, scope="module")
 def _one_intra_op_thread():
+    # on a 2-core box, OpenMP waits dominate tiny ops
     previous = torch.get_num_threads()
     torch.set_num_threads(1)
     yield

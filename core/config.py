@@ -27,7 +27,7 @@ class EngineConfig:
     device: str = "auto"  # auto: cuda if available else cpu
     load_format: str = "auto"  # "dummy": random weights from config.json alone (benchmarks)
     enforce_eager: bool = False  # no CUDA graphs
-    kernel_backend: str = "auto"  # "reference": plain-torch kernels on CUDA too (eager; the test oracle)
+    kernel_backend: str = "auto"  # "reference": torch kernels on CUDA too (the oracle); "triton": Triton everywhere
     max_graph_batch: int = 256  # largest decode batch captured in a CUDA graph
     revision: str | None = None
     plugin_args: dict = field(default_factory=dict)  # values of flags plugins added (armillary_add_cli_args)

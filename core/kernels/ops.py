@@ -2,6 +2,8 @@
 
 ``set_backend("reference")`` forces the references on CUDA too (the oracle for fast-path tests;
 the engine then runs eagerly, since the reference paths read host-side batch lists).
+``set_backend("triton")`` forces the Triton kernels on every device: on the CPU under
+``TRITON_INTERPRET=1`` that runs a whole model through the fast path in CI.
 """
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ from armillary.kernels import moe as _moe
 from armillary.kernels import norm as _norm
 from armillary.kernels import rotary as _rotary
 
-_BACKENDS = ("auto", "reference")
+_BACKENDS = ("auto", "reference", "triton")
 _backend = "auto"
 
 
@@ -30,7 +32,7 @@ def get_backend() -> str:
 
 def use_triton(x: torch.Tensor) -> bool:
     """Whether the Triton kernels serve this tensor's device under the current backend."""
-    return x.is_cuda and _backend == "auto"
+    return _backend == "triton" or (x.is_cuda and _backend == "auto")
 
 
 def store_kv(cache: KVCache, k: torch.Tensor, v: torch.Tensor, batch: ForwardBatch) -> None:
@@ -83,7 +85,8 @@ def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, ep
     if use_triton(x):
         from armillary.kernels.triton.norm import gated_rms_norm as tri
 
-        return tri(x, gate, weight, eps, group_size, norm_before_gate)
+        d = x.shape[-1]
+        return tri(x.reshape(-1, d), gate.reshape(-1, d), weight, eps, group_size, norm_before_gate).view(x.shape)
     return _norm.gated_rms_norm(x, gate, weight, eps, group_size, norm_before_gate)
 
 

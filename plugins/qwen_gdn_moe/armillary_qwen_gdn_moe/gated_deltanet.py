@@ -13,6 +13,7 @@ from torch import nn
 from torch.nn.utils import skip_init
 
 from armillary.forward_batch import ForwardBatch, RecurrentState
+from armillary.kernels import ops
 from armillary.kernels.conv1d import causal_conv1d_varlen
 from armillary_qwen_gdn_moe.config import QwenHybridConfig
 from armillary_qwen_gdn_moe.layers import GatedRMSNorm, empty_parameter, linear
@@ -59,20 +60,42 @@ class GatedDeltaNet(nn.Module):
         """x: [T, H] -> [T, H]; updates this layer's conv and SSM states of ``batch.state_slots``."""
         num_tokens = x.shape[0]
         conv_states, ssm_states = cache.tensors
-        mixed_qkv, z, b, a = self.in_proj(x).split(
+        projected = self.in_proj(x)  # [T, conv_dim + value_dim + 2 HV]
+        fast = ops.use_triton(x)
+        if fast and batch.is_decode_only:
+            from armillary_qwen_gdn_moe.ops.gated_delta_rule.fused_recurrent import fused_gdn_decode
+
+            core = fused_gdn_decode(projected, self.conv1d.weight[:, 0], conv_states, ssm_states, self.A_log,
+                                    self.dt_bias, self.norm.weight, self.norm.eps, batch.state_slots,
+                                    self.num_k_heads, self.head_k_dim, self.head_v_dim)
+            return self.out_proj(core)
+        mixed_qkv, z, b, a = projected.split(
             [self.conv_dim, self.value_dim, self.num_v_heads, self.num_v_heads], dim=-1
         )
-        mixed_qkv = causal_conv1d_varlen(
-            mixed_qkv, self.conv1d.weight[:, 0], None, conv_states, batch.state_slots,
-            batch.query_start_loc_cpu, activation=self.activation,
-        )
+        if fast:
+            from armillary_qwen_gdn_moe.ops.causal_conv1d.varlen import causal_conv1d_prefill
+
+            mixed_qkv = causal_conv1d_prefill(mixed_qkv, self.conv1d.weight[:, 0], None, conv_states,
+                                              batch.state_slots, batch.query_start_loc,
+                                              activation=self.activation, cu_seqlens_cpu=batch.query_start_loc_cpu)
+        else:
+            mixed_qkv = causal_conv1d_varlen(
+                mixed_qkv, self.conv1d.weight[:, 0], None, conv_states, batch.state_slots,
+                batch.query_start_loc_cpu, activation=self.activation,
+            )
         q, k, v = mixed_qkv.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
         q = q.reshape(num_tokens, self.num_k_heads, self.head_k_dim)
         k = k.reshape(num_tokens, self.num_k_heads, self.head_k_dim)
         v = v.reshape(num_tokens, self.num_v_heads, self.head_v_dim)
         beta = torch.sigmoid(b)
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())  # [T, HV] log decay
-        core = self._delta_rule(q, k, v, g, beta, batch, ssm_states)  # [T, HV, V]
+        if fast:
+            from armillary_qwen_gdn_moe.ops.gated_delta_rule.chunk import chunk_gated_delta_rule_slots
+
+            core = chunk_gated_delta_rule_slots(q, k, v, g, beta, batch.query_start_loc, ssm_states,
+                                                batch.state_slots, cu_seqlens_cpu=batch.query_start_loc_cpu)
+        else:
+            core = self._delta_rule(q, k, v, g, beta, batch, ssm_states)  # [T, HV, V]
         core = self.norm(core, z.reshape(num_tokens, self.num_v_heads, self.head_v_dim))
         return self.out_proj(core.reshape(num_tokens, self.value_dim))
 
