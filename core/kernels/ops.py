@@ -109,6 +109,25 @@ def softmax_topk(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> 
     return _moe.softmax_topk(router_logits, top_k, renormalize)
 
 
+def softmax_topk_with_shared(router_logits: torch.Tensor, top_k: int,
+                            renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax routing over the first ``E`` columns plus one always-on shared expert (id ``E``).
+
+    router_logits: [T, E + 1], the last column the shared expert's gate logit -> (weights [T, k + 1]
+    float32, ids [T, k + 1]); the shared expert's weight is sigmoid(gate logit).
+    """
+    num_experts = router_logits.shape[1] - 1
+    if use_triton(router_logits):
+        from armillary.kernels.triton.moe_routing import topk_softmax
+
+        return topk_softmax(router_logits[:, :num_experts], top_k, renormalize, num_shared=1,
+                            shared_gate_logits=router_logits[:, num_experts])
+    weights, ids = _moe.softmax_topk(router_logits[:, :num_experts], top_k, renormalize)
+    shared_w = torch.sigmoid(router_logits[:, num_experts:].float())  # [T, 1]
+    shared_id = torch.full_like(ids[:, :1], num_experts)
+    return torch.cat([weights, shared_w], dim=1), torch.cat([ids, shared_id], dim=1)
+
+
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor, activation: str = "silu") -> torch.Tensor:
     """Routed experts: ``x: [T, H]``, ``w13: [E, 2I or I, H]``, ``w2: [E, H, I]`` -> ``[T, H]``."""

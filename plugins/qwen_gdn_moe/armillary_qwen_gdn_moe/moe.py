@@ -25,18 +25,52 @@ class StackedExperts(nn.Module):
 
 
 class SparseMoeBlock(nn.Module):
+    """Routed experts plus the sigmoid-gated shared expert.
+
+    When the shared expert is as wide as a routed one (Qwen3-Next, Qwen3.5 / 3.6), it is stored as
+    expert ``E`` and its gate as row ``E`` of the router, so one routing call and one fused-MoE call
+    serve both (a decode step launches a handful of kernels per layer instead of a dozen).
+    Checkpoint names still map one to one (``checkpoint_slot``).
+    """
+
     def __init__(self, cfg: QwenHybridConfig) -> None:
         super().__init__()
         self.top_k = cfg.num_experts_per_tok
         self.renormalize = cfg.norm_topk_prob
-        self.gate = linear(cfg.hidden_size, cfg.num_experts)
-        self.experts = StackedExperts(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size, cfg.hidden_act)
-        self.shared_expert = SwiGLUMLP(cfg.hidden_size, cfg.shared_expert_intermediate_size, cfg.hidden_act)
-        self.shared_expert_gate = linear(cfg.hidden_size, 1)
+        self.num_experts = cfg.num_experts
+        self.inter = cfg.moe_intermediate_size
+        self.shared_fused = cfg.shared_expert_intermediate_size == cfg.moe_intermediate_size
+        extra = 1 if self.shared_fused else 0
+        self.gate = linear(cfg.hidden_size, cfg.num_experts + extra)
+        self.experts = StackedExperts(cfg.num_experts + extra, cfg.hidden_size, cfg.moe_intermediate_size,
+                                      cfg.hidden_act)
+        if not self.shared_fused:
+            self.shared_expert = SwiGLUMLP(cfg.hidden_size, cfg.shared_expert_intermediate_size, cfg.hidden_act)
+            self.shared_expert_gate = linear(cfg.hidden_size, 1)
+
+    def checkpoint_slot(self, local_name: str) -> tuple[str, tuple] | None:
+        """Where a checkpoint tensor of this block (name relative to it) lands when the shared expert
+        is fused: (parameter name relative to the block, index into it); None when names match."""
+        if not self.shared_fused:
+            return None
+        e, i = self.num_experts, self.inter
+        return {
+            "gate.weight": ("gate.weight", (slice(0, e),)),
+            "shared_expert_gate.weight": ("gate.weight", (slice(e, e + 1),)),
+            "experts.gate_up_proj": ("experts.gate_up_proj", (slice(0, e),)),
+            "experts.down_proj": ("experts.down_proj", (slice(0, e),)),
+            "shared_expert.gate_proj.weight": ("experts.gate_up_proj", (e, slice(0, i))),
+            "shared_expert.up_proj.weight": ("experts.gate_up_proj", (e, slice(i, 2 * i))),
+            "shared_expert.down_proj.weight": ("experts.down_proj", (e,)),
+        }.get(local_name)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [T, H] -> [T, H]."""
-        topk_weights, topk_ids = ops.softmax_topk(self.gate(x), self.top_k, self.renormalize)
+        logits = self.gate(x)  # [T, E] or [T, E + 1] (last column: the shared expert's gate)
+        if self.shared_fused:
+            topk_weights, topk_ids = ops.softmax_topk_with_shared(logits, self.top_k, self.renormalize)
+            return self.experts(x, topk_weights, topk_ids)
+        topk_weights, topk_ids = ops.softmax_topk(logits, self.top_k, self.renormalize)
         routed = self.experts(x, topk_weights, topk_ids)
         shared = F.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return routed + shared

@@ -21,11 +21,13 @@ from torch import nn
 
 from armillary.errors import WeightLoadError
 from armillary_qwen_gdn_moe.gated_deltanet import GatedDeltaNet
+from armillary_qwen_gdn_moe.moe import SparseMoeBlock
 
 logger = logging.getLogger(__name__)
 
 VISION_PREFIXES = ("model.visual.", "visual.", "model.vision_tower.", "vision_tower.")
 _PER_EXPERT = re.compile(r"^(?P<mod>.+\.mlp\.experts)\.(?P<e>\d+)\.(?P<proj>gate|up|down)_proj\.weight$")
+_MLP_TENSOR = re.compile(r"^(?P<mod>.+\.mlp)\.(?P<local>.+)$")
 _GDN_PROJ = re.compile(r"^(?P<mod>.+\.linear_attn)\.in_proj_(?P<part>qkvz|ba|qkv|z|b|a)\.weight$")
 
 Piece = tuple[str, tuple, torch.Tensor]  # (parameter name, index into it, values)
@@ -44,6 +46,8 @@ class QwenWeightLoader:
         self.has_mtp = getattr(model, "mtp", None) is not None
         self.params = dict(model.named_parameters())
         self.written: dict[str, torch.Tensor] = {}  # parameter -> bool mask over its rows (shape[:-1])
+        self.moe_blocks = {n for n, m in model.named_modules() if isinstance(m, SparseMoeBlock)}
+        self.num_routed = {n: model.get_submodule(n).num_experts for n in self.moe_blocks}
 
     def load(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         unknown: list[str] = []
@@ -78,6 +82,8 @@ class QwenWeightLoader:
     def _pieces(self, name: str, tensor: torch.Tensor) -> list[Piece] | None:
         if m := _PER_EXPERT.match(name):
             mod, expert, proj = m["mod"], int(m["e"]), m["proj"]
+            if expert >= self.num_routed.get(mod.rsplit(".", 1)[0], expert + 1):
+                return None  # slot E is the fused shared expert, not a checkpoint expert
             if proj == "down":
                 return [(f"{mod}.down_proj", (expert,), tensor)]
             stacked = self.params.get(f"{mod}.gate_up_proj")
@@ -88,6 +94,11 @@ class QwenWeightLoader:
             return [(f"{mod}.gate_up_proj", (expert, rows), tensor)]
         if m := _GDN_PROJ.match(name):
             return self._gdn_pieces(m["mod"], m["part"], tensor)
+        if m := _MLP_TENSOR.match(name):
+            block = self.model.get_submodule(m["mod"]) if m["mod"] in self.moe_blocks else None
+            slot = block.checkpoint_slot(m["local"]) if block is not None else None
+            if slot is not None:
+                return [(f"{m['mod']}.{slot[0]}", slot[1], tensor)]
         if name in self.params:
             return [(name, (), tensor)]
         return None
