@@ -1,3 +1,4 @@
+"""The plugin registry: core defaults, explicit and entry-point registration, duplicates, disabling, `armillary plugins`."""
 from __future__ import annotations
 
 import subprocess

@@ -22,24 +22,34 @@ class GatedAttention(nn.Module):
         self.num_kv_heads = cfg.num_key_value_heads
         self.head_dim = cfg.head_dim
         hidden, bias = cfg.hidden_size, cfg.attention_bias
-        self.q_proj = linear(hidden, 2 * self.num_heads * self.head_dim, bias)
-        self.k_proj = linear(hidden, self.num_kv_heads * self.head_dim, bias)
-        self.v_proj = linear(hidden, self.num_kv_heads * self.head_dim, bias)
+        self.q_size = 2 * self.num_heads * self.head_dim  # per head [query | gate]
+        self.kv_size = self.num_kv_heads * self.head_dim
+        # q_proj, k_proj and v_proj stacked: one projection launch per step
+        self.qkv_proj = linear(hidden, self.q_size + 2 * self.kv_size, bias)
         self.o_proj = linear(self.num_heads * self.head_dim, hidden, bias)
         self.q_norm = ZeroCenteredRMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.k_norm = ZeroCenteredRMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.scale = self.head_dim**-0.5
+
+    def checkpoint_slot(self, local_name: str) -> tuple[str, tuple] | None:
+        """Where ``{q,k,v}_proj.{weight,bias}`` land inside ``qkv_proj`` (name relative to this module)."""
+        proj, _, kind = local_name.partition(".")
+        starts = {"q_proj": 0, "k_proj": self.q_size, "v_proj": self.q_size + self.kv_size}
+        if proj not in starts or kind not in ("weight", "bias"):
+            return None
+        size = self.q_size if proj == "q_proj" else self.kv_size
+        return f"qkv_proj.{kind}", (slice(starts[proj], starts[proj] + size),)
 
     def forward(
         self, x: torch.Tensor, batch: ForwardBatch, cache: KVCache, cos: torch.Tensor, sin: torch.Tensor
     ) -> torch.Tensor:
         """x: [T, H]; cos, sin: [T, rotary_dim // 2] -> [T, H]. Writes the new K/V to ``cache``."""
         num_tokens = x.shape[0]
-        query_gate = self.q_proj(x).view(num_tokens, self.num_heads, 2 * self.head_dim)
-        query, gate = query_gate.split(self.head_dim, dim=-1)  # [T, Hq, D] each
-        q = ops.apply_rotary(self.q_norm(query), cos, sin)
-        k = ops.apply_rotary(self.k_norm(self.k_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)), cos, sin)
-        v = self.v_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)
+        query_gate, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        query, gate = query_gate.view(num_tokens, self.num_heads, 2 * self.head_dim).split(self.head_dim, dim=-1)
+        q = ops.apply_rotary(self.q_norm(query), cos, sin)  # [T, Hq, D]
+        k = ops.apply_rotary(self.k_norm(k.view(num_tokens, self.num_kv_heads, self.head_dim)), cos, sin)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         ops.store_kv(cache, k, v, batch)
         attn = ops.attention(q, cache, batch, self.scale)  # [T, Hq, D]
         gated = attn.reshape(num_tokens, -1) * torch.sigmoid(gate.reshape(num_tokens, -1))

@@ -4,6 +4,8 @@
   map to ``model.*``; ``lm_head.*`` and ``mtp.*`` stay; vision towers are skipped (one log line).
 - experts: per-expert ``experts.E.{gate,up,down}_proj.weight`` or fused ``experts.gate_up_proj``
   [E, 2I, H] / ``experts.down_proj`` [E, H, I], both into the stacked parameters.
+- stacked projections: modules with ``checkpoint_slot`` (attention's ``qkv_proj``, the MoE block's
+  fused shared expert and router) say which rows of which parameter a checkpoint tensor fills.
 - GDN input projection: Qwen3-Next's ``in_proj_qkvz`` / ``in_proj_ba`` (grouped per key head) or
   Qwen3.5's ``in_proj_qkv`` / ``in_proj_z`` / ``in_proj_b`` / ``in_proj_a``, both into the one
   ``in_proj`` with rows [q | k | v | z | b | a].
@@ -27,7 +29,6 @@ logger = logging.getLogger(__name__)
 
 VISION_PREFIXES = ("model.visual.", "visual.", "model.vision_tower.", "vision_tower.")
 _PER_EXPERT = re.compile(r"^(?P<mod>.+\.mlp\.experts)\.(?P<e>\d+)\.(?P<proj>gate|up|down)_proj\.weight$")
-_MLP_TENSOR = re.compile(r"^(?P<mod>.+\.mlp)\.(?P<local>.+)$")
 _GDN_PROJ = re.compile(r"^(?P<mod>.+\.linear_attn)\.in_proj_(?P<part>qkvz|ba|qkv|z|b|a)\.weight$")
 
 Piece = tuple[str, tuple, torch.Tensor]  # (parameter name, index into it, values)
@@ -46,8 +47,9 @@ class QwenWeightLoader:
         self.has_mtp = getattr(model, "mtp", None) is not None
         self.params = dict(model.named_parameters())
         self.written: dict[str, torch.Tensor] = {}  # parameter -> bool mask over its rows (shape[:-1])
-        self.moe_blocks = {n for n, m in model.named_modules() if isinstance(m, SparseMoeBlock)}
-        self.num_routed = {n: model.get_submodule(n).num_experts for n in self.moe_blocks}
+        # modules that store several checkpoint tensors in one parameter say where each one goes
+        self.slotted = {n: m for n, m in model.named_modules() if hasattr(m, "checkpoint_slot")}
+        self.num_routed = {n: m.num_experts for n, m in self.slotted.items() if isinstance(m, SparseMoeBlock)}
 
     def load(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         unknown: list[str] = []
@@ -63,7 +65,7 @@ class QwenWeightLoader:
                     continue
                 if name == "lm_head.weight" and self.tied:
                     continue  # the tied head is the embedding
-                pieces = self._pieces(name, tensor)
+                pieces = self.pieces(name, tensor)
                 if pieces is None or any(param_name not in self.params for param_name, _, _ in pieces):
                     unknown.append(ckpt_name)
                     continue
@@ -79,7 +81,7 @@ class QwenWeightLoader:
             raise WeightLoadError(f"checkpoint tensors the model does not know: {shown}{more}")
         return {name for name, mask in self.written.items() if bool(mask.all())}
 
-    def _pieces(self, name: str, tensor: torch.Tensor) -> list[Piece] | None:
+    def pieces(self, name: str, tensor: torch.Tensor) -> list[Piece] | None:
         if m := _PER_EXPERT.match(name):
             mod, expert, proj = m["mod"], int(m["e"]), m["proj"]
             if expert >= self.num_routed.get(mod.rsplit(".", 1)[0], expert + 1):
@@ -94,11 +96,14 @@ class QwenWeightLoader:
             return [(f"{mod}.gate_up_proj", (expert, rows), tensor)]
         if m := _GDN_PROJ.match(name):
             return self._gdn_pieces(m["mod"], m["part"], tensor)
-        if m := _MLP_TENSOR.match(name):
-            block = self.model.get_submodule(m["mod"]) if m["mod"] in self.moe_blocks else None
-            slot = block.checkpoint_slot(m["local"]) if block is not None else None
-            if slot is not None:
-                return [(f"{m['mod']}.{slot[0]}", slot[1], tensor)]
+        module_name = name.rpartition(".")[0]
+        while module_name:  # the nearest enclosing module that stacks checkpoint tensors decides
+            if module_name in self.slotted:
+                slot = self.slotted[module_name].checkpoint_slot(name[len(module_name) + 1:])
+                if slot is not None:
+                    return [(f"{module_name}.{slot[0]}", slot[1], tensor)]
+                break
+            module_name = module_name.rpartition(".")[0]
         if name in self.params:
             return [(name, (), tensor)]
         return None

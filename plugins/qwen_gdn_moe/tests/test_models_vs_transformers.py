@@ -13,6 +13,7 @@ import torch
 
 from armillary.cache_spec import FullAttention, Recurrent
 from armillary.errors import WeightLoadError
+from armillary_qwen_gdn_moe.weights import QwenWeightLoader
 from plugins.qwen_gdn_moe.tests.harness import Harness, build_model
 from plugins.qwen_gdn_moe.tests.hf_models import (
     CASES,
@@ -169,15 +170,10 @@ def _mtp_tensors(case: Case, saved: dict[str, torch.Tensor], hidden: int) -> dic
     return tensors
 
 
-def _landed(model, params: dict, name: str) -> torch.Tensor:
-    """Where checkpoint tensor ``name`` was written (a fused shared expert lives inside the experts)."""
-    mod, sep, local = name.rpartition(".mlp.")
-    if sep:
-        slot_of = getattr(model.get_submodule(f"{mod}.mlp"), "checkpoint_slot", None)
-        slot = slot_of(local) if slot_of else None
-        if slot is not None:
-            return params[f"{mod}.mlp.{slot[0]}"][slot[1]]
-    return params[name]
+def _landed(model, params: dict, name: str, tensor: torch.Tensor) -> torch.Tensor:
+    """What the loader wrote for checkpoint tensor ``name`` (stacked parameters hold several)."""
+    (param_name, index, _), = QwenWeightLoader(model, tie_word_embeddings=False).pieces(name, tensor)
+    return params[param_name][index]
 
 
 @pytest.mark.parametrize("case", CASES, ids=ids(CASES))
@@ -202,7 +198,7 @@ def test_mtp_weights_land_in_the_mtp_module(case, references, tmp_path):
                 stacked = params[f"{m[1]}.gate_up_proj"][e]
                 got = stacked.chunk(2)[0 if proj == "gate" else 1]
         else:
-            got = _landed(model, params, name)
+            got = _landed(model, params, name, t)
         assert torch.equal(got, t), name
     # the main model is unaffected by the MTP head
     harness = Harness(tmp_path)
