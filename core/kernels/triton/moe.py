@@ -138,6 +138,17 @@ def _sum_topk_kernel(pairs_ptr, out_ptr, N, TOP_K: tl.constexpr, BLOCK_N: tl.con
 
 
 GROUPED_BUCKETS = (8, 32, 128, 512)
+_K_TILES = ("BLOCK_K1", "BLOCK_K2")
+
+
+def fit_element_size(cfg: dict, element_size: int) -> dict:
+    """The tables hold configs for 2-byte (bf16 / fp16) operands; wider ones get K tiles shallower by
+    the same factor, so every pipeline stage keeps its bytes (fp32 at the bf16 depth needs 245760
+    bytes of shared memory in the gated GEMM 1, over sm_90's 232448)."""
+    if element_size <= 2:
+        return cfg
+    shrink = element_size // 2
+    return {**cfg, **{k: max(16, cfg[k] // shrink) for k in _K_TILES}}
 
 
 def grouped_config_key(num_pairs: int, num_experts: int) -> str:
@@ -181,9 +192,10 @@ def fused_moe(
     topk_ids: [T, k] int32 / int64, distinct within a row (as top-k routing gives; the decode path
     relies on it). Returns [T, H] in x's dtype. ``activation``: "silu" | "relu2".
     ``path``: "auto" (decode kernels when T·k <= the table's max_pairs), "decode", "grouped".
-    ``config`` overrides the tuning-table entry (benchmarks, autotuning).
+    ``config`` overrides keys of the tuning-table entry fitted to the element size (benchmarks, autotuning).
     """
     gated = _check_shapes(x, w13, w2, topk_ids)
+    element_size = max(x.element_size(), w13.element_size())
     if activation not in _ACTIVATIONS:
         raise ValueError(f"fused_moe: activation {activation!r} not in {sorted(_ACTIVATIONS)}")
     act = _ACTIVATIONS[activation]
@@ -203,7 +215,7 @@ def fused_moe(
     pairs_pad = max(16, triton.next_power_of_2(num_pairs))
     decode = kernel_config(TUNING_PACKAGE, "fused_moe_decode", f"p{pairs_pad}", DECODE_DEFAULTS, x.device)
     if path == "decode" or (path == "auto" and num_pairs <= decode["max_pairs"]):
-        cfg = {**decode, **(config or {})}
+        cfg = {**fit_element_size(decode, element_size), **(config or {})}
         rows = max(16, triton.next_power_of_2(min(num_tokens, num_pairs)))  # most pairs one expert serves
         h = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)  # [T * k, I]
         moe_decode_up_kernel[(num_pairs, triton.cdiv(inter, cfg["BLOCK_N1"]))](
@@ -220,7 +232,8 @@ def fused_moe(
         )  # fmt: skip
     elif path in ("auto", "grouped"):
         key = grouped_config_key(num_pairs, num_experts)
-        cfg = {**kernel_config(TUNING_PACKAGE, "fused_moe", key, GROUPED_DEFAULTS, x.device), **(config or {})}
+        table = kernel_config(TUNING_PACKAGE, "fused_moe", key, GROUPED_DEFAULTS, x.device)
+        cfg = {**fit_element_size(table, element_size), **(config or {})}
         align = moe_align(ids, num_experts, cfg["BLOCK_M"])
         h = torch.empty(align.max_blocks * align.block_m, inter, dtype=x.dtype, device=x.device)  # sorted rows
         common = (align.sorted_pair_ids, align.block_expert, align.expert_offsets, align.expert_counts)

@@ -309,11 +309,23 @@ def _shape_key(head_dim: int) -> str:
     return f"d{max(64, triton.next_power_of_2(head_dim))}"
 
 
-def _config(kernel: str, defaults: dict[str, dict], head_dim: int, device: torch.device, override: dict | None) -> dict:
-    key = _shape_key(head_dim)
+def fit_element_size(cfg: dict, element_size: int) -> dict:
+    """The tables hold configs for 2-byte (bf16 / fp16) q and caches; wider elements get proportionally
+    fewer query rows and keys per tile, so no operand tile outgrows its 2-byte size (fp32 d256 prefill
+    at the bf16 tiles needs 295424 bytes of shared memory, over sm_90's 232448)."""
+    if element_size <= 2:
+        return cfg
+    shrink = element_size // 2
+    return {**cfg, **{k: max(16, cfg[k] // shrink) for k in ("BLOCK_M", "BLOCK_N") if k in cfg}}
+
+
+def _config(kernel: str, defaults: dict[str, dict], q: torch.Tensor, k_cache: torch.Tensor,
+            override: dict | None) -> dict:
+    """The table's launch config for q's head dim, fitted to the element size, then ``override``."""
+    key = _shape_key(q.shape[2])
     base = defaults.get(key, defaults["d512"])
-    cfg = kernel_config("armillary.kernels", kernel, key, base, device)
-    return {**cfg, **(override or {})}
+    cfg = kernel_config("armillary.kernels", kernel, key, base, q.device)
+    return {**fit_element_size(cfg, max(q.element_size(), k_cache.element_size())), **(override or {})}
 
 
 def paged_attention_decode(
@@ -339,7 +351,7 @@ def paged_attention_decode(
     [B, Hq, Dv] destination. ``config`` overrides the tuning-table launch config. Returns [B, Hq, Dv].
     """
     group = q.shape[1] // k_cache.shape[2]
-    cfg = _config("paged_attention_decode", DECODE_DEFAULTS, q.shape[2], q.device, config)
+    cfg = _config("paged_attention_decode", DECODE_DEFAULTS, q, k_cache, config)
     block_m = max(16, triton.next_power_of_2(group))
     return _launch(q, k_cache, v_cache, block_tables, seq_lens, None, scale, sliding_window, softcap,
                    1, max_seq_len, out, cfg, block_m, 1, True)
@@ -369,10 +381,10 @@ def paged_attention_prefill(
     matters only when few query tiles exist, e.g. short chunks over long contexts). Returns [T, Hq, Dv].
     """
     group = q.shape[1] // k_cache.shape[2]
-    pcfg = _config("paged_attention_prefill", PREFILL_DEFAULTS, q.shape[2], q.device, config)
+    pcfg = _config("paged_attention_prefill", PREFILL_DEFAULTS, q, k_cache, config)
     if max_query_len * group < pcfg["BLOCK_M"]:
         # few queries per sequence: decode-shaped tiles, key splits where the grid is small
-        cfg = _config("paged_attention_decode", DECODE_DEFAULTS, q.shape[2], q.device, config)
+        cfg = _config("paged_attention_decode", DECODE_DEFAULTS, q, k_cache, config)
         block_m = max(16, triton.next_power_of_2(max_query_len * group))
     else:
         cfg = pcfg
