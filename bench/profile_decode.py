@@ -49,6 +49,7 @@ def main() -> None:
     seqs = list(eng.scheduler.running)
     for s in seqs:
         s.num_new_tokens = 1
+        eng.blocks.grow(s, len(s))
     batch, sampled = eng.runner.prepare(seqs)
     graphs = eng.runner.graphs
     lines.append(f"runner.prepare: {timed(lambda: eng.runner.prepare(seqs), 50) * 1e3:.3f} ms")
