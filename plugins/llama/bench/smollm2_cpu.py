@@ -3,6 +3,8 @@
     python plugins/llama/bench/smollm2_cpu.py [--threads N] [--new-tokens 64]
 
 Measures, in one run:
+- ``armillary serve`` with no arguments: wall time from spawning it to its first answered chat
+  request over HTTP;
 - time to first answer: a fresh ``python`` process that imports the library, loads the GGUF, and
   answers one chat turn greedily (wall time from spawning it to the answer being printed);
 - decode tokens/s at batch 1 and batch 8 (greedy, ``--new-tokens`` new tokens, EOS suppressed on both
@@ -49,6 +51,35 @@ def time_to_first_answer(engine: str, threads: int) -> tuple[float, str]:
     start = time.perf_counter()
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     return time.perf_counter() - start, done.stdout.strip().splitlines()[-1]
+
+
+def serve_to_first_answer() -> tuple[float, str]:
+    """Wall time from spawning ``armillary serve`` (no arguments) to its first chat answer over HTTP."""
+    import re
+    import tempfile
+
+    import httpx
+
+    start = time.perf_counter()
+    with tempfile.TemporaryFile("w+") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "armillary.cli", "serve", "--port", "0"], stdout=log,
+                                stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        try:
+            url = None
+            while url is None:
+                if proc.poll() is not None or time.perf_counter() - start > 300:
+                    log.seek(0)
+                    raise RuntimeError(f"armillary serve did not start:\n{log.read()}")
+                time.sleep(0.05)
+                log.seek(0)
+                found = re.search(r"listening on (http://\S+)", log.read())
+                url = found.group(1) if found else None
+            reply = httpx.post(f"{url}/v1/chat/completions", timeout=120, json={
+                "model": "SmolLM2-135M-Instruct", "messages": QUESTION, "temperature": 0, "max_tokens": 32}).json()
+            return time.perf_counter() - start, reply["choices"][0]["message"]["content"]
+        finally:
+            proc.terminate()
+            proc.wait(30)
 
 
 def armillary_decode(path, batch_sizes: list[int], new_tokens: int) -> dict[int, float]:
@@ -101,6 +132,7 @@ def main() -> None:
 
     path = default_model_path()
     batches = [1, 8]
+    served = serve_to_first_answer()
     first = {engine: time_to_first_answer(engine, args.threads) for engine in ("armillary", "transformers")}
     decode = {"armillary": armillary_decode(path, batches, args.new_tokens),
               "transformers": transformers_decode(path, batches, args.new_tokens)}
@@ -110,6 +142,8 @@ def main() -> None:
     print(f"{'engine':<14}{'first answer (s)':>18}{'decode tok/s b=1':>18}{'decode tok/s b=8':>18}")
     for engine in ("armillary", "transformers"):
         print(f"{engine:<14}{first[engine][0]:>18.1f}{decode[engine][1]:>18.1f}{decode[engine][8]:>18.1f}")
+    print(f"`armillary serve` (no arguments) to its first answered HTTP request: {served[0]:.1f} s "
+          f"({served[1]!r})")
     for engine in ("armillary", "transformers"):
         print(f"{engine} answered: {first[engine][1]}")
 
