@@ -5,13 +5,11 @@ import copy
 import json
 
 import pytest
-from transformers import AutoTokenizer
 from transformers.utils.chat_template_utils import render_jinja_template
 
 from armillary.chat_template import ChatTemplateError, render_chat_template
 from armillary.errors import InvalidRequestError
 from armillary.tokenizer import Tokenizer
-from tests.fixtures.tiny_tokenizer import make_qwen_tokenizer
 
 WEATHER_TOOL = {"type": "function", "function": {
     "name": "get_weather", "description": "Current weather in a city (°C), e.g. 東京",
@@ -68,23 +66,6 @@ CASES = {
     "reasoning_history": (REASONING_HISTORY, None, {}),
     "content_parts": (CONTENT_PARTS, None, {}),
 }
-
-
-@pytest.fixture(scope="module")
-def tok_dir(tmp_path_factory):
-    directory = tmp_path_factory.mktemp("qwen_chat")
-    make_qwen_tokenizer(directory, vocab_size=512)
-    return directory
-
-
-@pytest.fixture(scope="module")
-def tok(tok_dir) -> Tokenizer:
-    return Tokenizer.from_pretrained(tok_dir)
-
-
-@pytest.fixture(scope="module")
-def hf(tok_dir):
-    return AutoTokenizer.from_pretrained(tok_dir)
 
 
 @pytest.mark.parametrize("generation_prompt", [True, False])

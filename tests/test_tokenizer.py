@@ -28,23 +28,6 @@ TEXTS = [
 ]
 
 
-@pytest.fixture(scope="module")
-def tok_dir(tmp_path_factory):
-    directory = tmp_path_factory.mktemp("qwen_tok")
-    make_qwen_tokenizer(directory, vocab_size=512)
-    return directory
-
-
-@pytest.fixture(scope="module")
-def tok(tok_dir) -> Tokenizer:
-    return Tokenizer.from_pretrained(tok_dir)
-
-
-@pytest.fixture(scope="module")
-def hf(tok_dir):
-    return AutoTokenizer.from_pretrained(tok_dir)
-
-
 def test_fixture_ids_fit_vocab_and_flags(tok_dir):
     for vocab_size in (300, 512):
         make_qwen_tokenizer(tok_dir / f"v{vocab_size}", vocab_size=vocab_size)
