@@ -112,3 +112,12 @@ def test_armillary_plugins_command_lists_qwen():
         assert arch in out
     assert "parser qwen3_coder (tool)" in out
     assert "kernel torch_paged_attention" in out
+
+
+def test_every_registered_name_resolves():
+    """Lazy references of all installed plugins point at real objects (architectures, parsers, kernels, formats)."""
+    reg = PluginRegistry()
+    reg.load_entry_points()
+    for registry in (reg.architectures, reg.parsers, reg.kernels, reg.formats):
+        for spec in registry:
+            assert spec.load() is not None, spec.name
