@@ -24,6 +24,7 @@ from armillary.sampler import Sampler
 from armillary.sampling_params import SamplingParams
 from armillary.scheduler import Scheduler
 from armillary.sequence import Sequence
+from armillary.structured.outputs import StructuredOutputs
 from armillary.weights import fill_parameters
 
 log = logging.getLogger("armillary")
@@ -84,10 +85,12 @@ class LLMEngine:
             graphs = CUDAGraphDecoder(self.model, caches, min(config.max_num_seqs, config.max_graph_batch),
                                       max_blocks, config.block_size, scratch_block, scratch_slot, self.device)
             graphs.capture()
-        self.runner = ModelRunner(self.model, caches, config.block_size, self.device, Sampler(seed=config.seed),
-                                  graphs)
-        self.requests: dict[str, RequestState] = {}
         self.eos_token_ids = self._eos_token_ids()
+        self.structured = StructuredOutputs(self.tokenizer, self.model.text_config(self.hf_config).vocab_size,
+                                            self.eos_token_ids)
+        self.runner = ModelRunner(self.model, caches, config.block_size, self.device, Sampler(seed=config.seed),
+                                  graphs, structured=self.structured)
+        self.requests: dict[str, RequestState] = {}
 
     # ---- construction helpers
 
@@ -182,12 +185,15 @@ class LLMEngine:
         if len(ids) + max_tokens > capacity:
             raise InvalidRequestError(
                 f"the request needs {len(ids) + max_tokens} tokens of KV cache; the pool holds {capacity}")
+        grammar = self.structured.compile(params.structured) if params.structured is not None else None
         seqs, texts = [], []
         for i in range(params.n):
             seed = None if params.seed is None else params.seed + i
             seq = Sequence(request_id, i, ids, params, self.eos_token_ids, seed=seed, arrival=time.time(),
                            max_tokens=max_tokens)
             seqs.append(seq)
+            if grammar is not None:
+                self.structured.attach(seq, grammar)
             texts.append(SeqText(self._detokenizer(ids, params), params.stop, params.include_stop_str_in_output))
         self.requests[request_id] = RequestState(request_id, text, ids, seqs, texts)
         for seq in seqs:
@@ -214,6 +220,7 @@ class LLMEngine:
             return
         for seq in state.seqs:
             self.scheduler.finish(seq, "abort")
+            self.structured.release(seq)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -254,6 +261,7 @@ class LLMEngine:
 
     def _append(self, seq: Sequence, token: int, text: SeqText) -> None:
         seq.token_ids.append(token)
+        grammar_ended = self.structured.advance(seq, token)  # it took a stop token: nothing may follow
         p = seq.params
         if seq.num_output_tokens >= p.min_tokens:
             # a stop or end-of-sequence token ends the text without adding its own (as vLLM does)
@@ -269,10 +277,13 @@ class LLMEngine:
             if stop is not None:
                 seq.stop_reason = stop
                 self.scheduler.finish(seq, "stop")
+            elif grammar_ended:
+                self.scheduler.finish(seq, "stop")
             elif seq.num_output_tokens >= seq.max_tokens:
                 self.scheduler.finish(seq, "length")
         if seq.is_finished:
             text.finish()
+            self.structured.release(seq)
 
     def stats(self) -> dict:
         return {

@@ -8,12 +8,15 @@ from armillary.forward_batch import ForwardBatch, LayerCache
 from armillary.model_base import CausalLM
 from armillary.sampler import Sampler, SamplerOutput
 from armillary.sequence import Sequence
+from armillary.structured.outputs import StructuredOutputs
 
 
 class ModelRunner:
     def __init__(self, model: CausalLM, caches: list[LayerCache | None], block_size: int,
-                 device: torch.device, sampler: Sampler | None = None, graphs: CUDAGraphDecoder | None = None) -> None:
+                 device: torch.device, sampler: Sampler | None = None, graphs: CUDAGraphDecoder | None = None,
+                 structured: StructuredOutputs | None = None) -> None:
         self.model = model
+        self.structured = structured  # grammar matchers; None: no sequence is ever constrained
         self.graphs = graphs
         self.caches = caches
         self.block_size = block_size
@@ -74,6 +77,9 @@ class ModelRunner:
     def run(self, seqs: list[Sequence]) -> tuple[list[Sequence], torch.Tensor | None, SamplerOutput | None]:
         """Forward the step; returns (sequences sampled, their logits [N, V], sampler output)."""
         batch, sampled = self.prepare(seqs)
+        masks = None
+        if self.structured is not None and len(self.structured) and sampled:
+            masks = self.structured.fill_async(sampled)  # grammar work on a worker thread, during the forward
         if self.graphs is not None and self.graphs.can_run(batch):
             hidden = self.graphs.run(batch)
         else:
@@ -81,4 +87,7 @@ class ModelRunner:
         if not sampled:
             return sampled, None, None
         logits = self.model.compute_logits(hidden[batch.logits_indices])
+        mask = masks.result() if masks is not None else None
+        if mask is not None:
+            logits = mask.apply(logits)  # in place: the returned logits are the masked ones
         return sampled, logits, self.sampler(logits, sampled)

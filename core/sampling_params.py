@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from armillary.errors import InvalidRequestError
+from armillary.structured.spec import StructuredSpec
 
 _GREEDY_EPS = 1e-5
 
@@ -27,6 +28,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # None: off; k: the sampled token's logprob plus the top k
     skip_special_tokens: bool = True
+    structured: StructuredSpec | None = None  # grammar the output must follow (JSON schema, regex, tool calls, ...)
     extra: dict = field(default_factory=dict)  # front-end specific fields, ignored by the engine
 
     def __post_init__(self) -> None:
@@ -68,3 +70,6 @@ class SamplingParams:
             bad(f"min_tokens must be non-negative, got {self.min_tokens}")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             bad(f"logprobs must be in [0, 20], got {self.logprobs}")
+        if self.structured is not None and self.min_tokens > 0:
+            # a complete grammar allows only end-of-sequence, which min_tokens would forbid
+            bad("min_tokens cannot be combined with structured output")

@@ -8,42 +8,59 @@ from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from armillary.errors import InvalidRequestError
 from armillary.parsers.base import ParserPipeline
 from armillary.server import anthropic_render as render
 from armillary.server.async_engine import RequestStream
-from armillary.server.errors import anthropic_error_body, not_supported
+from armillary.server.errors import anthropic_error_body, bad_request
 from armillary.server.openai_api import CLIENT_CLOSED, collect
 from armillary.server.prompts import (
     RenderedPrompt,
+    ToolChoice,
     anthropic_messages,
+    anthropic_tool_choice,
     anthropic_tools,
-    check_anthropic_tool_choice,
     render_chat,
     template_kwargs,
     thinking_flag,
 )
 from armillary.server.protocol_anthropic import CountTokensRequest, MessagesRequest
-from armillary.server.sampling import build_sampling_params
+from armillary.server.sampling import RequestedStructure, build_sampling_params, compile_structure
 from armillary.server.state import ServerState, engine_error, new_id, parse_body, read_json
 from armillary.server.streaming import EventStreamResponse, OutputDeltas, sse_event, until_disconnect
+from armillary.structured.spec import StructuredSpec
 
 
-async def _render(state: ServerState, body: CountTokensRequest) -> tuple[RenderedPrompt, list[dict] | None, bool]:
-    """The prompt for a Messages body, its tools in OpenAI form, and whether tool calls are parsed."""
+def _requested_structure(body: CountTokensRequest) -> RequestedStructure | None:
+    """JSON output per ``output_config.format`` (or the beta's ``output_format``)."""
+    config_format = body.output_config.format if body.output_config is not None else None
+    if config_format is not None and body.output_format is not None:
+        raise bad_request("give output_config.format or output_format, not both", param="output_format")
+    fmt, param = (config_format, "output_config.format") if config_format is not None \
+        else (body.output_format, "output_format")
+    if fmt is None:
+        return None
+    try:
+        return StructuredSpec.json_schema(fmt.schema_, f"{param}.schema"), f"{param}.schema"
+    except InvalidRequestError as exc:
+        raise bad_request(str(exc), param=f"{param}.schema") from exc
+
+
+async def _render(state: ServerState, body: CountTokensRequest) -> tuple[RenderedPrompt, list[dict] | None, ToolChoice]:
+    """The prompt for a Messages body, its tools in OpenAI form, and what its tool_choice means."""
     tools = anthropic_tools(body.tools)
-    parse_tools = check_anthropic_tool_choice(body.tool_choice, tools is not None)
+    choice = anthropic_tool_choice(body.tool_choice, tools)
     if body.thinking is not None:
         enable_thinking = thinking_flag(body.thinking)
     else:  # Anthropic's thinking is opt-in, unless the operator made it the server's default
         enable_thinking = bool(state.default_template_kwargs.get("enable_thinking", False))
     output = body.output_config
-    if output is not None and output.format is not None:
-        raise not_supported("output_config.format (structured output)", param="output_config.format")
     kwargs = template_kwargs(state.default_template_kwargs, None, enable_thinking=enable_thinking,
                              reasoning_effort=output.effort if output is not None else None)
     messages = anthropic_messages(body.system, body.messages)
-    prompt = await run_in_threadpool(render_chat, state.tokenizer, messages, tools if parse_tools else None, kwargs)
-    return prompt, tools, parse_tools
+    prompt = await run_in_threadpool(render_chat, state.tokenizer, messages, tools if choice.parse_tools else None,
+                                     kwargs)
+    return prompt, tools, choice
 
 
 def build_router(state: ServerState) -> APIRouter:
@@ -62,12 +79,16 @@ def build_router(state: ServerState) -> APIRouter:
         body = parse_body(MessagesRequest, await read_json(request, state.max_body_bytes))
         model = state.model_name(body.model)
         state.require_ready()
-        prompt, tools, parse_tools = await _render(state, body)
+        prompt, tools, choice = await _render(state, body)
+        # the grammar the reply follows: forced or strict tool calls, or a JSON output format
+        structure = state.parsers.reply_structure(prompt.text, tools, choice.constraint, _requested_structure(body))
+        await compile_structure(state.engine.engine, structure)
         stop_sequences = list(body.stop_sequences or [])
         params = build_sampling_params(state.generation_defaults, state.parsers.keep_special_tokens,
                                        max_tokens=body.max_tokens, temperature=body.temperature, top_p=body.top_p,
-                                       top_k=body.top_k, stop=stop_sequences)
-        pipeline = state.parsers.pipeline(prompt.text, tools, parse_tools)
+                                       top_k=body.top_k, stop=stop_sequences,
+                                       structured=structure[0] if structure is not None else None)
+        pipeline = state.parsers.pipeline(prompt.text, tools, choice.parse_tools)
         message_id = new_id("msg_")
         stream = await state.submit(message_id, prompt.token_ids, params)
         if body.stream:

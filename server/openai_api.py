@@ -15,15 +15,15 @@ from armillary.parsers.base import ParserPipeline
 from armillary.server import openai_render as render
 from armillary.server.errors import bad_request, not_supported, openai_error_body
 from armillary.server.prompts import (
-    check_openai_tool_choice,
     openai_messages,
+    openai_tool_choice,
     openai_tools,
     render_chat,
     template_kwargs,
 )
 from armillary.server.protocol_openai import ChatCompletionRequest, CompletionRequest, SamplingFields
 from armillary.server.async_engine import RequestStream
-from armillary.server.sampling import build_sampling_params
+from armillary.server.sampling import RequestedStructure, build_sampling_params, compile_structure, requested_structure
 from armillary.server.state import ServerState, engine_error, new_id, parse_body, read_json
 from armillary.server.streaming import (
     SSE_DONE,
@@ -43,7 +43,8 @@ def _common_checks(body: SamplingFields) -> None:
         raise bad_request(f"n must be at least 1, got {body.n}", param="n")
 
 
-def _sampling(state: ServerState, body: SamplingFields, max_tokens: int | None, logprobs: int | None):
+def _sampling(state: ServerState, body: SamplingFields, max_tokens: int | None, logprobs: int | None,
+              structure: RequestedStructure | None):
     return build_sampling_params(
         state.generation_defaults, state.parsers.keep_special_tokens,
         n=body.n, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, min_p=body.min_p,
@@ -51,7 +52,8 @@ def _sampling(state: ServerState, body: SamplingFields, max_tokens: int | None, 
         repetition_penalty=body.repetition_penalty, seed=body.seed, stop=body.stop,
         stop_token_ids=body.stop_token_ids, max_tokens=max_tokens, min_tokens=body.min_tokens,
         ignore_eos=body.ignore_eos, logprobs=logprobs, skip_special_tokens=body.skip_special_tokens,
-        include_stop_str_in_output=body.include_stop_str_in_output)
+        include_stop_str_in_output=body.include_stop_str_in_output,
+        structured=structure[0] if structure is not None else None)
 
 
 async def collect(state: ServerState, stream: RequestStream) -> RequestOutput:
@@ -111,12 +113,12 @@ def build_router(state: ServerState) -> APIRouter:
         model = state.model_name(body.model)
         state.require_ready()
         _common_checks(body)
-        if body.response_format is not None and body.response_format.type != "text":
-            raise not_supported(f"response_format {body.response_format.type!r}", param="response_format")
         if body.top_logprobs is not None and not body.logprobs:
             raise bad_request("top_logprobs needs logprobs: true", param="top_logprobs")
         tools = openai_tools(body.tools)
-        parse_tools = check_openai_tool_choice(body.tool_choice, tools is not None)
+        choice = openai_tool_choice(body.tool_choice, tools, body.parallel_tool_calls)
+        parse_tools = choice.parse_tools
+        requested = requested_structure(body)
         kwargs = template_kwargs(state.default_template_kwargs, body.chat_template_kwargs,
                                  reasoning_effort=body.reasoning_effort)
         messages = openai_messages(body.messages)
@@ -124,7 +126,9 @@ def build_router(state: ServerState) -> APIRouter:
                                          kwargs, body.add_generation_prompt)
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
-        params = _sampling(state, body, max_tokens, logprobs)
+        structure = state.parsers.reply_structure(prompt.text, tools, choice.constraint, requested)
+        await compile_structure(state.engine.engine, structure)
+        params = _sampling(state, body, max_tokens, logprobs, structure)
         pipelines = [state.parsers.pipeline(prompt.text, tools, parse_tools) for _ in range(body.n)]
         request_id = new_id("chatcmpl-")
         head = render.ResponseHeader(request_id, int(time.time()), model)
@@ -161,7 +165,9 @@ def build_router(state: ServerState) -> APIRouter:
             raise not_supported("best_of other than n", param="best_of")
         prompts = _prompt_list(body.prompt)
         token_prompts = [_prompt_ids(state, p, i) for i, p in enumerate(prompts)]
-        params = _sampling(state, body, body.max_tokens, body.logprobs)
+        structure = requested_structure(body)
+        await compile_structure(state.engine.engine, structure)
+        params = _sampling(state, body, body.max_tokens, body.logprobs, structure)
         echoes = [_echo_text(state, p, ids) if body.echo else "" for p, ids in zip(prompts, token_prompts)]
         request_id = new_id("cmpl-")
         streams: list[RequestStream] = []

@@ -5,8 +5,11 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
-from armillary.errors import PluginError
+from armillary.errors import InvalidRequestError, PluginError
 from armillary.parsers.base import ParserPipeline, ReasoningParser, ToolParser
+from armillary.server.errors import bad_request, not_supported
+from armillary.server.sampling import RequestedStructure
+from armillary.structured.spec import ToolCallConstraint
 
 log = logging.getLogger("armillary.server")
 
@@ -51,6 +54,41 @@ class ParserSetup:
         reasoning = self.reasoning_cls(thinking_open=self.thinking_open(prompt)) if self.reasoning_cls else None
         tool = self.tool_cls(tools) if (self.tool_cls is not None and parse_tools and tools) else None
         return ParserPipeline(reasoning, tool)
+
+    def reply_structure(self, prompt: str, tools: list[dict] | None, constraint: ToolCallConstraint | None,
+                        requested: RequestedStructure | None) -> RequestedStructure | None:
+        """The grammar a reply follows: the tool-call parser's for constrained calls, or the requested one.
+
+        When the prompt leaves a reasoning block open, the reasoning runs free and the grammar
+        applies after the reasoning parser's end tag. Raises ``APIError`` (400) for what cannot be served.
+        """
+        if constraint is not None:
+            if requested is not None:
+                raise bad_request(f"{requested[1]} cannot be combined with a tool_choice that constrains tool calls",
+                                  param=requested[1])
+            requested = self._tool_structure(tools or [], constraint)
+        if requested is None:
+            return None
+        spec, param = requested
+        if self.thinking_open(prompt):
+            end_tag = self.reasoning_cls.end_tag
+            if end_tag is None:
+                raise not_supported(f"structured output after an open reasoning block with the "
+                                    f"{self.reasoning_name} reasoning parser", param=param)
+            spec = spec.after_reasoning(end_tag)
+        return spec, param
+
+    def _tool_structure(self, tools: list[dict], constraint: ToolCallConstraint) -> RequestedStructure:
+        what = "strict tools" if not constraint.required else "a tool_choice that forces a call"
+        if self.tool_cls is None:
+            raise bad_request(f"{what} needs a tool-call parser (--tool-call-parser)", param="tool_choice")
+        try:
+            spec = self.tool_cls.tool_call_grammar(tools, constraint)
+        except InvalidRequestError as exc:
+            raise bad_request(str(exc), param="tools") from exc
+        if spec is None:
+            raise not_supported(f"{what} with the {self.tool_name} tool-call parser", param="tool_choice")
+        return spec, "tools"
 
     def describe(self) -> str:
         return f"reasoning parser {self.reasoning_name or 'none'}, tool-call parser {self.tool_name or 'none'}"

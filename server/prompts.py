@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from armillary.server.errors import bad_request, not_supported
+from armillary.structured.spec import ToolCallConstraint
 from armillary.server.protocol_anthropic import (
     DocumentBlock,
     ImageBlock,
@@ -106,16 +107,67 @@ def openai_tools(tools: Sequence[ToolDef] | None) -> list[dict] | None:
     return [t.model_dump(exclude_none=True) for t in tools]
 
 
-def check_openai_tool_choice(tool_choice: str | dict | None, has_tools: bool) -> bool:
-    """Whether tool calls are parsed: ``auto`` (the default with tools) yes, ``none`` no; forced choices 400."""
-    if tool_choice is None:
-        return has_tools
+@dataclass(slots=True)
+class ToolChoice:
+    """What a request's ``tool_choice`` means for one reply.
+
+    ``parse_tools``: the tools go into the prompt and calls are parsed out of the reply.
+    ``constraint``: how calls are constrained by grammar; None: not at all.
+    """
+
+    parse_tools: bool
+    constraint: ToolCallConstraint | None = None
+
+
+def _tool_names(tools: list[dict] | None) -> tuple[str, ...]:
+    return tuple(t["function"]["name"] for t in tools or [])
+
+
+def _strict_names(tools: list[dict] | None) -> frozenset[str]:
+    return frozenset(t["function"]["name"] for t in tools or [] if t["function"].get("strict") is True)
+
+
+def _forced(tools: list[dict] | None, names: tuple[str, ...], parallel: bool, param: str) -> ToolChoice:
+    """Calls required: of one of ``names`` (all tools when empty), every argument checked against its schema."""
+    known = _tool_names(tools)
+    if not known:
+        raise bad_request("a tool_choice that forces a call needs tools", param=param)
+    for name in names:
+        if name not in known:
+            raise bad_request(f"tool_choice names {name!r}, which is not among the tools ({', '.join(known)})",
+                              param=param)
+    allowed = names or known
+    return ToolChoice(True, ToolCallConstraint(True, allowed, frozenset(allowed), parallel))
+
+
+def _auto(tools: list[dict] | None, parallel: bool) -> ToolChoice:
+    """Free choice; with strict tools, a call the model opens is constrained (strict ones to their schema)."""
+    strict = _strict_names(tools)
+    if not strict:
+        return ToolChoice(tools is not None)
+    return ToolChoice(True, ToolCallConstraint(False, _tool_names(tools), strict, parallel))
+
+
+def openai_tool_choice(tool_choice: str | dict | None, tools: list[dict] | None,
+                       parallel_tool_calls: bool | None) -> ToolChoice:
+    """``auto`` (the default with tools), ``none``, ``required``, or ``{"type": "function", "function": {"name"}}``.
+
+    A named function is called exactly once; ``required`` allows several calls unless
+    ``parallel_tool_calls`` is false.
+    """
+    parallel = parallel_tool_calls is not False
+    if tool_choice is None or tool_choice == "auto":
+        return _auto(tools, parallel)
     if tool_choice == "none":
-        return False
-    if tool_choice == "auto":
-        return has_tools
-    if tool_choice == "required" or isinstance(tool_choice, dict):
-        raise not_supported("tool_choice 'required' or a named function", param="tool_choice")
+        return ToolChoice(False)
+    if tool_choice == "required":
+        return _forced(tools, (), parallel, "tool_choice")
+    if isinstance(tool_choice, dict) and tool_choice.get("type") == "function":
+        function = tool_choice.get("function")
+        name = function.get("name") if isinstance(function, dict) else None
+        if not isinstance(name, str):
+            raise bad_request("tool_choice.function.name must be a string", param="tool_choice.function.name")
+        return _forced(tools, (name,), False, "tool_choice")
     raise bad_request(f"tool_choice must be 'auto', 'none', 'required' or a function, got {tool_choice!r}",
                       param="tool_choice")
 
@@ -204,17 +256,27 @@ def anthropic_tools(tools: Sequence[Tool] | None) -> list[dict] | None:
         function: dict[str, Any] = {"name": tool.name, "parameters": tool.input_schema}
         if tool.description is not None:
             function["description"] = tool.description
+        if tool.strict is not None:
+            function["strict"] = tool.strict
         converted.append({"type": "function", "function": function})
     return converted
 
 
-def check_anthropic_tool_choice(tool_choice: Any, has_tools: bool) -> bool:
-    """Whether tool calls are parsed: ``auto`` yes, ``none`` no; ``any`` / ``tool`` answer 400 for now."""
+def anthropic_tool_choice(tool_choice: Any, tools: list[dict] | None) -> ToolChoice:
+    """``auto`` (default), ``none``, ``any`` (some call required) or ``tool`` (that tool, once).
+
+    ``disable_parallel_tool_use`` limits ``auto`` and ``any`` to one call.
+    """
+    parallel = tool_choice is None or not tool_choice.disable_parallel_tool_use
     if tool_choice is None or tool_choice.type == "auto":
-        return has_tools
+        return _auto(tools, parallel)
     if tool_choice.type == "none":
-        return False
-    raise not_supported(f"tool_choice {{'type': {tool_choice.type!r}}}", param="tool_choice")
+        return ToolChoice(False)
+    if tool_choice.type == "any":
+        return _forced(tools, (), parallel, "tool_choice")
+    if not tool_choice.name:
+        raise bad_request("tool_choice of type 'tool' needs a name", param="tool_choice.name")
+    return _forced(tools, (tool_choice.name,), False, "tool_choice")
 
 
 def thinking_flag(thinking: Any) -> bool:

@@ -66,6 +66,7 @@ class Tool(_Lenient):
     description: str | None = None
     input_schema: dict[str, Any] = Field(default_factory=lambda: {"type": "object", "properties": {}})
     type: str | None = None  # None or "custom": a client tool; other types are Anthropic's server tools
+    strict: bool | None = None  # true: calls are constrained to input_schema
 
 
 class ToolChoice(_Lenient):
@@ -79,9 +80,16 @@ class ThinkingConfig(_Lenient):
     budget_tokens: int | None = Field(default=None, ge=1)  # accepted, not enforced
 
 
+class OutputFormat(_Lenient):
+    """Structured output: the reply's text is JSON following ``schema``."""
+
+    type: Literal["json_schema"]
+    schema_: dict[str, Any] = Field(alias="schema")
+
+
 class OutputConfig(_Lenient):
     effort: Literal["low", "medium", "high", "xhigh", "max"] | None = None
-    format: dict[str, Any] | None = None
+    format: OutputFormat | None = None
 
 
 class CountTokensRequest(_Lenient):
@@ -92,6 +100,7 @@ class CountTokensRequest(_Lenient):
     tool_choice: ToolChoice | None = None
     thinking: ThinkingConfig | None = None
     output_config: OutputConfig | None = None
+    output_format: OutputFormat | None = None  # the structured-outputs beta's name for output_config.format
 
 
 class MessagesRequest(CountTokensRequest):

@@ -1,9 +1,16 @@
-"""Request fields -> ``SamplingParams``, with the checkpoint's generation_config.json as defaults (as vLLM)."""
+"""Request fields -> ``SamplingParams``, with the checkpoint's generation_config.json as defaults (as vLLM),
+and the structured-output fields -> the ``StructuredSpec`` they ask for."""
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
+from starlette.concurrency import run_in_threadpool
+
+from armillary.errors import InvalidRequestError
 from armillary.sampling_params import SamplingParams
+from armillary.server.errors import bad_request
+from armillary.structured.spec import StructuredSpec
 
 # generation_config.json keys that fill a field the request left unset.
 _DEFAULTABLE = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
@@ -25,3 +32,79 @@ def build_sampling_params(generation_defaults: dict[str, Any], keep_special_toke
     if keep_special_tokens:
         given["skip_special_tokens"] = False
     return SamplingParams(**given)
+
+
+# ---- structured output
+
+RequestedStructure = tuple[StructuredSpec, str]  # the constraint and the request field it came from
+
+
+def _spec(param: str, make: Callable[[], StructuredSpec]) -> RequestedStructure:
+    try:
+        return make(), param
+    except InvalidRequestError as exc:
+        raise bad_request(str(exc), param=param) from exc
+
+
+def _response_format(fmt: Any) -> RequestedStructure | None:
+    if fmt.type == "text":
+        return None
+    if fmt.type == "json_object":
+        return StructuredSpec.json_object(), "response_format"
+    if fmt.type == "json_schema":
+        if fmt.json_schema is None or fmt.json_schema.schema_ is None:
+            raise bad_request("response_format.json_schema.schema is required", param="response_format.json_schema")
+        return _spec("response_format.json_schema.schema",
+                     lambda: StructuredSpec.json_schema(fmt.json_schema.schema_, "response_format.json_schema.schema"))
+    if fmt.type == "structural_tag":
+        return _spec("response_format",
+                     lambda: StructuredSpec.structural_tag({"format": fmt.format}, "response_format"))
+    raise bad_request(f"response_format.type must be 'text', 'json_object', 'json_schema' or 'structural_tag', "
+                      f"got {fmt.type!r}", param="response_format.type")
+
+
+def _structured_outputs(fields: dict[str, Any]) -> RequestedStructure | None:
+    """vLLM's ``structured_outputs``: one of json, regex, choice, grammar, json_object, structural_tag."""
+    makers: dict[str, Callable[[Any, str], StructuredSpec]] = {
+        "json": StructuredSpec.json_schema, "regex": StructuredSpec.regex, "choice": StructuredSpec.choice,
+        "grammar": StructuredSpec.grammar, "structural_tag": StructuredSpec.structural_tag,
+        "json_object": lambda value, where: StructuredSpec.json_object(),
+    }
+    given = [k for k in makers if fields.get(k) not in (None, False)]
+    if len(given) > 1:
+        raise bad_request(f"structured_outputs sets {', '.join(given)}; give one", param="structured_outputs")
+    if not given:
+        return None
+    key = given[0]
+    return _spec(f"structured_outputs.{key}", lambda: makers[key](fields[key], f"structured_outputs.{key}"))
+
+
+def requested_structure(body: Any) -> RequestedStructure | None:
+    """The output constraint an OpenAI-style body asks for, if any; 400 when it asks for several."""
+    found: list[RequestedStructure] = []
+    if body.response_format is not None:
+        found.append(_response_format(body.response_format))
+    if body.structured_outputs is not None:
+        found.append(_structured_outputs(body.structured_outputs))
+    guided = {"guided_json": StructuredSpec.json_schema, "guided_regex": StructuredSpec.regex,
+              "guided_choice": StructuredSpec.choice, "guided_grammar": StructuredSpec.grammar}
+    for name, make in guided.items():
+        value = getattr(body, name)
+        if value is not None:
+            found.append(_spec(name, lambda make=make, value=value, name=name: make(value, name)))
+    found = [f for f in found if f is not None]
+    if len(found) > 1:
+        raise bad_request(f"{' and '.join(param for _, param in found)} each constrain the output; give one",
+                          param=found[1][1])
+    return found[0] if found else None
+
+
+async def compile_structure(engine: Any, requested: RequestedStructure | None) -> None:
+    """Compile the constraint on a worker thread (cached for the engine): a bad one is a 400 naming its field."""
+    if requested is None:
+        return
+    spec, param = requested
+    try:
+        await run_in_threadpool(engine.structured.compile, spec)
+    except InvalidRequestError as exc:
+        raise bad_request(str(exc), param=param) from exc

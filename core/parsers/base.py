@@ -22,6 +22,7 @@ from armillary.parsers.events import (
     ToolCallEnd,
     ToolCallStart,
 )
+from armillary.structured.spec import StructuredSpec, ToolCallConstraint
 
 _ID_ALPHABET = string.ascii_letters + string.digits
 
@@ -42,6 +43,9 @@ class ReasoningParser(ABC):
     # Strings the parser must see verbatim in its input: the server must not drop them when it
     # detokenizes (e.g. as special tokens), or the parser cannot find them.
     markup_strings: ClassVar[tuple[str, ...]] = ()
+    # The text that closes a reasoning block. Structured output (a JSON schema, forced tool calls)
+    # constrains what follows it; None: the reply cannot be constrained while reasoning is open.
+    end_tag: ClassVar[str | None] = None
 
     def __init__(self, thinking_open: bool) -> None:
         self.thinking_open = thinking_open
@@ -88,6 +92,17 @@ class ToolParser(ABC):
     @abstractmethod
     def finish(self) -> list[ParserEvent]:
         """The output ended: flush held text and close or give up an unterminated call."""
+
+    @classmethod
+    def tool_call_grammar(cls, tools: list[dict], constraint: ToolCallConstraint) -> StructuredSpec | None:
+        """The grammar of this format's tool calls under ``constraint`` (forced or strict calls).
+
+        Everything it allows must parse back, through this parser, into calls whose arguments
+        satisfy their tool's schema. ``tools``: the request's tools in OpenAI function form.
+        Raises ``InvalidRequestError`` for a tool the format cannot express. None (the default):
+        this format has no grammar, so forced and strict tool calls cannot be served with it.
+        """
+        return None
 
 
 @dataclass(slots=True)

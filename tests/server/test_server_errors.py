@@ -35,9 +35,11 @@ CASES = [
      "may not set"),
     ("top-logprobs-alone", "POST", CHAT, BEARER, {**OK_CHAT, "top_logprobs": 2}, 400, "logprobs"),
     ("too-many-logprobs", "POST", CHAT, BEARER, {**OK_CHAT, "logprobs": True, "top_logprobs": 50}, 400, "logprobs"),
-    ("forced-tool-choice", "POST", CHAT, BEARER, {**OK_CHAT, "tool_choice": "required", "tools": [
-        {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]}, 400, "not supported yet"),
-    ("json-mode", "POST", CHAT, BEARER, {**OK_CHAT, "response_format": {"type": "json_object"}}, 400, "not supported"),
+    ("forced-unknown-tool", "POST", CHAT, BEARER, {**OK_CHAT, "tool_choice": {"type": "function", "function": {
+        "name": "g"}}, "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]},
+     400, "not among the tools"),
+    ("bad-json-schema", "POST", CHAT, BEARER, {**OK_CHAT, "response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "strnig"}}}}, 400, "strnig"),
     ("image-part", "POST", CHAT, BEARER, {**OK_CHAT, "messages": [
         {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x"}}]}]}, 400, "image_url"),
     ("prompt-over-context", "POST", CHAT, BEARER, {**OK_CHAT, "messages": [{"role": "user", "content": LONG_PROMPT}]},
@@ -51,9 +53,9 @@ CASES = [
     ("unknown-model-anthropic", "POST", MESSAGES, X_KEY, {**OK_MSG, "model": "claude-x"}, 404, "claude-x"),
     ("unknown-model-get", "GET", "/v1/models/nope", BEARER, None, 404, "nope"),
     ("missing-max-tokens", "POST", MESSAGES, X_KEY, {"model": MODEL_NAME, "messages": USER}, 400, "max_tokens"),
-    ("anthropic-forced-tool", "POST", MESSAGES, X_KEY, {**OK_MSG, "tool_choice": {"type": "tool", "name": "f"},
-                                                        "tools": [{"name": "f", "input_schema": {"type": "object"}}]},
-     400, "not supported yet"),
+    ("anthropic-forced-unknown-tool", "POST", MESSAGES, X_KEY, {
+        **OK_MSG, "tool_choice": {"type": "tool", "name": "g"},
+        "tools": [{"name": "f", "input_schema": {"type": "object"}}]}, 400, "not among the tools"),
     ("anthropic-image", "POST", MESSAGES, X_KEY, {**OK_MSG, "messages": [{"role": "user", "content": [
         {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AA=="}}]}]}, 400, "image"),
     ("anthropic-unknown-block", "POST", MESSAGES, X_KEY, {**OK_MSG, "messages": [{"role": "user", "content": [

@@ -287,9 +287,9 @@ def test_sdk_errors_carry_the_server_message(oai, claude):
         oai.chat.completions.create(model="gpt-4o", messages=USER, max_tokens=2)
     assert "gpt-4o" in info.value.message
     with pytest.raises(anthropic.BadRequestError) as info:
-        claude.messages.create(model=MODEL_NAME, max_tokens=2, messages=USER, tool_choice={"type": "any"},
-                               tools=ANTHROPIC_TOOLS)
-    assert "not supported yet" in str(info.value)
+        claude.messages.create(model=MODEL_NAME, max_tokens=2, messages=USER,
+                               tool_choice={"type": "tool", "name": "nope"}, tools=ANTHROPIC_TOOLS)
+    assert "not among the tools" in str(info.value)
     with pytest.raises(anthropic.AuthenticationError):
         anthropic.Anthropic(base_url=claude.base_url, api_key="wrong", max_retries=0).messages.create(
             model=MODEL_NAME, max_tokens=2, messages=USER)

@@ -7,10 +7,10 @@ from armillary.errors import InvalidRequestError
 from armillary.server.errors import APIError, anthropic_error_body, openai_error_body
 from armillary.server.prompts import (
     anthropic_messages,
+    anthropic_tool_choice,
     anthropic_tools,
-    check_anthropic_tool_choice,
-    check_openai_tool_choice,
     openai_messages,
+    openai_tool_choice,
     template_kwargs,
     thinking_flag,
 )
@@ -101,19 +101,35 @@ def test_anthropic_tools_become_openai_functions_and_server_tools_are_refused():
 
 
 def test_tool_choices():
-    assert check_openai_tool_choice(None, True) is True
-    assert check_openai_tool_choice("auto", True) is True
-    assert check_openai_tool_choice("none", True) is False
-    assert check_openai_tool_choice(None, False) is False
-    for forced in ("required", {"type": "function", "function": {"name": "f"}}):
-        with pytest.raises(APIError, match="not supported yet"):
-            check_openai_tool_choice(forced, True)
-    with pytest.raises(APIError):
-        check_openai_tool_choice("sometimes", True)
-    body = MessagesRequest.model_validate({"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": "x"}],
-                                           "tool_choice": {"type": "any"}})
-    with pytest.raises(APIError, match="not supported yet"):
-        check_anthropic_tool_choice(body.tool_choice, True)
+    tools = [{"type": "function", "function": {"name": n, "parameters": {"type": "object"}}} for n in ("f", "g")]
+    assert openai_tool_choice(None, tools, None).parse_tools is True
+    assert openai_tool_choice("auto", tools, None).constraint is None
+    assert openai_tool_choice("none", tools, None).parse_tools is False
+    assert openai_tool_choice(None, None, None).parse_tools is False
+    required = openai_tool_choice("required", tools, False).constraint
+    assert required.required and required.allowed == ("f", "g") and not required.parallel
+    named = openai_tool_choice({"type": "function", "function": {"name": "g"}}, tools, None).constraint
+    assert named.allowed == ("g",) and named.schema_checked == {"g"} and not named.parallel
+    strict = [tools[0], {"type": "function", "function": {**tools[1]["function"], "strict": True}}]
+    auto = openai_tool_choice("auto", strict, None).constraint
+    assert not auto.required and auto.allowed == ("f", "g") and auto.schema_checked == {"g"} and auto.parallel
+    for bad in ("sometimes", {"type": "function", "function": {"name": "h"}}):
+        with pytest.raises(APIError):
+            openai_tool_choice(bad, tools, None)
+    with pytest.raises(APIError, match="needs tools"):
+        openai_tool_choice("required", None, None)
+
+    def anthropic_choice(choice: dict):
+        body = MessagesRequest.model_validate({"model": "m", "max_tokens": 5, "tool_choice": choice,
+                                               "messages": [{"role": "user", "content": "x"}]})
+        return anthropic_tool_choice(body.tool_choice, tools)
+
+    assert anthropic_choice({"type": "any"}).constraint.allowed == ("f", "g")
+    assert not anthropic_choice({"type": "any", "disable_parallel_tool_use": True}).constraint.parallel
+    assert anthropic_choice({"type": "tool", "name": "f"}).constraint.allowed == ("f",)
+    assert anthropic_choice({"type": "none"}).parse_tools is False
+    with pytest.raises(APIError, match="not among the tools"):
+        anthropic_choice({"type": "tool", "name": "h"})
 
 
 def test_thinking_and_template_kwargs():

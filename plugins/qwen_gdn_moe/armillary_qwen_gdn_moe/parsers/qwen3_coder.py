@@ -23,6 +23,8 @@ from armillary.parsers.arg_types import convert_argument, is_string_schema
 from armillary.parsers.base import ToolParser
 from armillary.parsers.events import ParserEvent, TextDelta, ToolCallArgsDelta, ToolCallEnd, ToolCallStart
 from armillary.parsers.scan import find_first_tag, partial_tag_len, undecided_prefix
+from armillary.structured.spec import StructuredSpec, ToolCallConstraint
+from armillary_qwen_gdn_moe.parsers.qwen3_coder_grammar import qwen3_coder_call_grammar
 
 TOOL_CALL_OPEN = "<tool_call>"
 TOOL_CALL_CLOSE = "</tool_call>"
@@ -99,6 +101,10 @@ class Qwen3CoderToolParser(ToolParser):
         self._quote_open = False  # a streamed string value has written its opening quote
         self._undecided = ""  # start of a streamed value while it could still be the literal null
         self._scan_from = 0  # where to resume looking for </parameter> in a held value
+
+    @classmethod
+    def tool_call_grammar(cls, tools: list[dict], constraint: ToolCallConstraint) -> StructuredSpec:
+        return qwen3_coder_call_grammar(tools, constraint)
 
     def feed(self, delta: str) -> list[ParserEvent]:
         self._buf += delta
