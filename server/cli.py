@@ -38,6 +38,8 @@ _ENGINE_FLAGS: tuple[tuple[str, type | None, str], ...] = (
     ("seed", int, "engine random seed"),
     ("device", str, "auto, cuda, cuda:N or cpu"),
     ("load_format", str, "auto, or dummy for random weights"),
+    ("kernel_backend", str, "auto (Triton on CUDA), reference (plain torch everywhere) or triton"),
+    ("max_graph_batch", int, "largest decode batch captured in a CUDA graph"),
 )
 
 
@@ -80,6 +82,7 @@ def add_serve_args(parser: argparse.ArgumentParser, registry: PluginRegistry | N
     eng = parser.add_argument_group("engine")
     for dest, kind, help_text in _ENGINE_FLAGS:
         eng.add_argument("--" + dest.replace("_", "-"), dest=dest, type=kind, help=help_text)
+    eng.add_argument("--enforce-eager", action="store_true", default=None, help="no CUDA graphs")
     eng.add_argument("--enable-prefix-caching", action="store_true", default=None,
                      help="reuse KV blocks and state snapshots of shared prompt prefixes")
     before = {action.dest for action in parser._actions}
