@@ -14,7 +14,14 @@ import triton
 import triton.language as tl
 
 from armillary.kernels.triton.moe_align import moe_align
-from armillary.kernels.triton.moe_decode import ACT_RELU2, ACT_SILU, _activation, moe_decode_down_kernel, moe_decode_up_kernel
+from armillary.kernels.triton.moe_decode import (
+    ACT_RELU2,
+    ACT_SILU,
+    _activation,
+    _expert_tile_dot,
+    moe_decode_down_kernel,
+    moe_decode_up_kernel,
+)
 from armillary.kernels.tuning import kernel_config
 
 TUNING_PACKAGE = "armillary.kernels"
@@ -93,23 +100,8 @@ def _grouped_gemm_kernel(
         w_ptrs = w_ptr + expert.to(tl.int64) * stride_we + safe_n[None, :] * stride_wn + offs_k[:, None]  # [BLOCK_K, BLOCK_N]
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            if EVEN_K:
-                a = tl.load(a_ptrs)
-                w = tl.load(w_ptrs)
-                if GATED:
-                    w_up = tl.load(w_ptrs + up_offset * stride_wn)
-            else:
-                k_ok = offs_k < K - k0
-                a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
-                w = tl.load(w_ptrs, mask=k_ok[:, None], other=0.0)
-                if GATED:
-                    w_up = tl.load(w_ptrs + up_offset * stride_wn, mask=k_ok[:, None], other=0.0)
-            acc = tl.dot(a, w, acc, input_precision=DOT_PRECISION)
-            if GATED:
-                acc_up = tl.dot(a, w_up, acc_up, input_precision=DOT_PRECISION)
-            a_ptrs += BLOCK_K
-            w_ptrs += BLOCK_K
+        acc, acc_up = _expert_tile_dot(a_ptrs, w_ptrs, up_offset * stride_wn, K, acc, acc_up, BLOCK_K, EVEN_K, GATED,
+                                       DOT_PRECISION)
         if ROUTED_WEIGHT:
             acc = acc * tl.load(pair_weights_ptr + pairs, mask=row_ok, other=0.0).to(tl.float32)[:, None]
             out_rows = pairs

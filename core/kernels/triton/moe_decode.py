@@ -43,6 +43,34 @@ def _owned_pairs(ids_ptr, num_pairs, PAIRS: tl.constexpr, ROWS: tl.constexpr):
 
 
 @triton.jit
+def _expert_tile_dot(a_ptrs, w_ptrs, up_step, K, acc, acc_up, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+                     GATED: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """acc += a @ w over K (and acc_up += a @ w_up, w_up = w shifted by ``up_step`` rows, when GATED).
+
+    a_ptrs: [M, BLOCK_K] pointers; w_ptrs: [BLOCK_K, N] pointers into one expert's weights.
+    """
+    offs_k = tl.arange(0, BLOCK_K)
+    for k0 in range(0, K, BLOCK_K):
+        if EVEN_K:
+            a = tl.load(a_ptrs)
+            w = tl.load(w_ptrs)
+            if GATED:
+                w_up = tl.load(w_ptrs + up_step)
+        else:
+            k_ok = offs_k < K - k0
+            a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
+            w = tl.load(w_ptrs, mask=k_ok[:, None], other=0.0)
+            if GATED:
+                w_up = tl.load(w_ptrs + up_step, mask=k_ok[:, None], other=0.0)
+        acc = tl.dot(a, w, acc, input_precision=DOT_PRECISION)
+        if GATED:
+            acc_up = tl.dot(a, w_up, acc_up, input_precision=DOT_PRECISION)
+        a_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    return acc, acc_up
+
+
+@triton.jit
 def moe_decode_up_kernel(
     x_ptr,
     w_ptr,
@@ -77,23 +105,8 @@ def moe_decode_up_kernel(
         w_ptrs = w_ptr + expert.to(tl.int64) * stride_we + safe_n[None, :] * stride_wn + offs_k[:, None]  # [BLOCK_K, BLOCK_N]
         acc = tl.zeros([ROWS, BLOCK_N], dtype=tl.float32)
         acc_up = tl.zeros([ROWS, BLOCK_N], dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            if EVEN_K:
-                a = tl.load(x_ptrs)
-                w = tl.load(w_ptrs)
-                if GATED:
-                    w_up = tl.load(w_ptrs + up_offset * stride_wn)
-            else:
-                k_ok = offs_k < K - k0
-                a = tl.load(x_ptrs, mask=k_ok[None, :], other=0.0)
-                w = tl.load(w_ptrs, mask=k_ok[:, None], other=0.0)
-                if GATED:
-                    w_up = tl.load(w_ptrs + up_offset * stride_wn, mask=k_ok[:, None], other=0.0)
-            acc = tl.dot(a, w, acc, input_precision=DOT_PRECISION)
-            if GATED:
-                acc_up = tl.dot(a, w_up, acc_up, input_precision=DOT_PRECISION)
-            x_ptrs += BLOCK_K
-            w_ptrs += BLOCK_K
+        acc, acc_up = _expert_tile_dot(x_ptrs, w_ptrs, up_offset * stride_wn, K, acc, acc_up, BLOCK_K, EVEN_K, GATED,
+                                       DOT_PRECISION)
         h = _activation(acc, ACTIVATION)
         if GATED:
             h = h * acc_up
