@@ -144,17 +144,7 @@ def moe_decode_down_kernel(
         h_ptrs = h_ptr + row_pair[:, None] * stride_hm + offs_k[None, :]  # [ROWS, BLOCK_K]
         w_ptrs = w_ptr + expert.to(tl.int64) * stride_we + safe_n[None, :] * stride_wn + offs_k[:, None]
         acc = tl.zeros([ROWS, BLOCK_N], dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            if EVEN_K:
-                a = tl.load(h_ptrs)
-                w = tl.load(w_ptrs)
-            else:
-                k_ok = offs_k < K - k0
-                a = tl.load(h_ptrs, mask=k_ok[None, :], other=0.0)
-                w = tl.load(w_ptrs, mask=k_ok[:, None], other=0.0)
-            acc = tl.dot(a, w, acc, input_precision=DOT_PRECISION)
-            h_ptrs += BLOCK_K
-            w_ptrs += BLOCK_K
+        acc, _ = _expert_tile_dot(h_ptrs, w_ptrs, 0, K, acc, acc, BLOCK_K, EVEN_K, False, DOT_PRECISION)
         scale = tl.load(pair_weights_ptr + row_pair, mask=row_ok, other=0.0).to(tl.float32)
         acc = acc * scale[:, None]
         out_ptrs = out_ptr + row_pair[:, None] * stride_om + offs_n[None, :]
