@@ -106,14 +106,22 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> tuple[float, float]:
 
 
 @torch.inference_mode()
-def real_shape_check(lines: list[str], layers: int, steps: int) -> None:
+def real_shape_check(lines: list[str], layers: int, steps: int, router_scale: float) -> None:
     """fp32 fast path vs fp32 reference (kernel correctness; < 1e-2), and bf16 fast path vs fp32
-    reference next to the bf16 reference vs fp32 reference (what bf16 rounding alone costs)."""
+    reference next to the bf16 reference vs fp32 reference (what bf16 rounding alone costs).
+
+    ``router_scale`` multiplies the random router weights: at the dummy init the router logits have a
+    std of ~0.5, so the 8th and 9th experts are ~0.04 apart and a 1e-6 difference between two correct
+    fp32 paths sometimes swaps them; the recurrent states then carry that swap to every later step.
+    Trained routers are far more decisive; a larger scale keeps the comparison about the kernels.
+    """
     d = Path(tempfile.mkdtemp())
     (d / "config.json").write_text(json.dumps(real_shape_config(layers)))
     prompt = torch.randint(10, 150000, (200,), generator=torch.Generator().manual_seed(0)).tolist()
     fast32 = _engine(d, "float32", None)
-    state = {k: v.cpu() for k, v in fast32.engine.model.state_dict().items()}
+    state = {k: v.cpu() * (router_scale if k.endswith("mlp.gate.weight") else 1.0)
+             for k, v in fast32.engine.model.state_dict().items()}
+    fast32.engine.model.load_state_dict(state)
     tokens32, fast32_logits = _fast_decode(fast32, prompt, steps)
     del fast32
     _release()
@@ -131,14 +139,59 @@ def real_shape_check(lines: list[str], layers: int, steps: int) -> None:
     del ref16
     _release()
     worst, mean = _rel(fast32_logits, ref32_on32)
-    shape = f"{layers} layers of Qwen3.6-35B-A3B, random weights, {steps} CUDA-graph decode steps"
+    shape = f"{layers} layers of Qwen3.6-35B-A3B, random weights, router x{router_scale:g}, {steps} CUDA-graph decode steps"
     lines.append(f"real shape ({shape}): fp32 fast path vs fp32 reference: max relative logits error "
                  f"{worst:.2e} (mean {mean:.2e}) {'PASS' if worst < 1e-2 else 'FAIL'} (< 1e-2)")
     w16, m16 = _rel(fast16_logits, ref32_on16)
     wb, mb = _rel(ref16_on16, ref32_on16)
-    lines.append(f"real shape: bf16 fast path vs fp32 reference: max {w16:.2e} (mean {m16:.2e}); "
+    lines.append(f"real shape, router x{router_scale:g}: bf16 fast path vs fp32 reference: max {w16:.2e} (mean {m16:.2e}); "
                  f"bf16 reference kernels vs fp32 reference on the same tokens: max {wb:.2e} (mean {mb:.2e})")
     ops.set_backend("auto")
+
+
+@torch.inference_mode()
+def sdpa_prefill_check(lines: list[str]) -> None:
+    """Fresh-prompt prefill through cuDNN / flash SDPA vs the Triton paged prefill and the fp32
+    reference, at the Qwen3.6 attention shape (16 / 2 heads x 256, page 16, bf16)."""
+    from armillary.forward_batch import KVCache
+    from armillary.kernels.attention import paged_attention, write_kv
+    from armillary.kernels.sdpa_prefill import fresh_prefill_attention
+    from armillary.kernels.triton.paged_attention import paged_attention_prefill
+
+    for lengths in ([2048], [16384], [3000, 1500, 1100]):
+        total, page, hq, hkv, d = sum(lengths), 16, 16, 2, 256
+        blocks = [-(-n // page) for n in lengths]
+        perm = torch.randperm(sum(blocks) + 8, generator=torch.Generator().manual_seed(1)).tolist()
+        tables, slots, at = [], [], 0
+        for n, nb in zip(lengths, blocks):
+            table = perm[at:at + nb]
+            at += nb
+            tables.append(table + [0] * (max(blocks) - nb))
+            slots += [table[p // page] * page + p % page for p in range(n)]
+        g = torch.Generator(device="cuda").manual_seed(0)
+        q, k, v = (torch.randn(total, h, d, device="cuda", generator=g, dtype=torch.bfloat16) for h in (hq, hkv, hkv))
+        cache = KVCache(*(torch.zeros(len(perm), page, hkv, d, device="cuda", dtype=torch.bfloat16) for _ in range(2)))
+        write_kv(cache, k, v, torch.tensor(slots, device="cuda"))
+        bt = torch.tensor(tables, dtype=torch.int32, device="cuda")
+        qsl = [0]
+        for n in lengths:
+            qsl.append(qsl[-1] + n)
+        scale = d**-0.5
+        fast = fresh_prefill_attention(q, cache, bt, qsl, scale)
+        tri = paged_attention_prefill(q, cache.k, cache.v, bt, torch.tensor(qsl, dtype=torch.int32, device="cuda"),
+                                      torch.tensor(lengths, dtype=torch.int32, device="cuda"), max(lengths), scale)
+        if fast is None:
+            lines.append(f"sdpa prefill {lengths}: no SDPA backend took the shape (Triton path used)")
+            continue
+        err = ((fast.float() - tri.float()).abs().max() / tri.float().abs().max()).item()
+        msg = f"sdpa prefill {lengths}: vs Triton paged prefill max|err|/max|ref| {err:.2e}"
+        if total <= 4096:
+            cache32 = KVCache(cache.k.float(), cache.v.float())
+            ref = paged_attention(q.float(), cache32, bt, qsl, lengths, scale)
+            err32 = ((fast.float() - ref).abs().max() / ref.abs().max()).item()
+            tri32 = ((tri.float() - ref).abs().max() / ref.abs().max()).item()
+            msg += f"; vs fp32 reference {err32:.2e} (Triton's own {tri32:.2e})"
+        lines.append(msg)
 
 
 def main() -> None:
@@ -147,11 +200,14 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--steps", type=int, default=256)
     ap.add_argument("--skip-tiny", action="store_true")
+    ap.add_argument("--router-scales", type=float, nargs="*", default=[1.0, 20.0], help="none: skip the real-shape check")
     args = ap.parse_args()
     lines: list[str] = []
+    sdpa_prefill_check(lines)
     if not args.skip_tiny:
         tiny_checks(lines)
-    real_shape_check(lines, args.layers, args.steps)
+    for scale in args.router_scales:
+        real_shape_check(lines, args.layers, args.steps, scale)
     text = "\n".join(lines)
     print(text)
     if args.out:

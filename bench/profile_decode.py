@@ -32,27 +32,55 @@ def timed(fn, n: int) -> float:
     return (time.perf_counter() - t) / n
 
 
+def prefill_profile(eng, n: int, rows: int) -> str:
+    """Top kernels of one ``n``-token prefill forward (eager, as the engine runs prefills)."""
+    from armillary import SamplingParams
+    from armillary.sequence import Sequence
+    from torch.profiler import ProfilerActivity, profile
+
+    seq = Sequence("prefill", 0, list(range(100, 100 + n)), SamplingParams(max_tokens=1))
+    seq.state_slot = eng.states.allocate()
+    seq.num_new_tokens = n
+    eng.blocks.grow(seq, n)
+    batch, _ = eng.runner.prepare([seq])
+    forward_s = timed(lambda: eng.model(batch), 3)
+    with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
+        eng.model(batch)
+        torch.cuda.synchronize()
+    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=rows, max_name_column_width=70)
+    return f"prefill forward of {n} tokens: {forward_s * 1e3:.1f} ms ({n / forward_s:.0f} tok/s)\n{table}"
+
+
 @torch.inference_mode()
 def main() -> None:
     from armillary import LLM, SamplingParams
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--out")
+    ap.add_argument("--prefill", type=int, default=0, help="also profile one prefill forward of this many tokens")
+    ap.add_argument("--rows", type=int, default=40)
     args = ap.parse_args()
     d = Path(tempfile.mkdtemp())
     (d / "config.json").write_text(json.dumps(real_config(False)))
-    llm = LLM(str(d), load_format="dummy", dtype="bfloat16", max_model_len=4096, max_num_seqs=8)
+    max_len = max(4096, args.prefill + 64)
+    llm = LLM(str(d), load_format="dummy", dtype="bfloat16", max_model_len=max_len, max_num_seqs=8,
+              max_num_batched_tokens=max(2048, args.prefill))
     eng = llm.engine
     eng.add_request("p", list(range(100, 1124)), SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True))
     eng.step()  # prefill
-    lines = [f"engine.step(), batch 1: {timed(eng.step, 50) * 1e3:.3f} ms"]
+    lines = [f"engine.step(), batch 1, async scheduling {eng.async_scheduling}: {timed(eng.step, 50) * 1e3:.3f} ms"]
+    eng.async_scheduling = False
+    eng.step()  # reads the step in flight back without launching another
+    lines.append(f"engine.step(), batch 1, synchronous: {timed(eng.step, 50) * 1e3:.3f} ms")
     seqs = list(eng.scheduler.running)
     for s in seqs:
         s.num_new_tokens = 1
         eng.blocks.grow(s, len(s))
     batch, sampled = eng.runner.prepare(seqs)
     graphs = eng.runner.graphs
-    lines.append(f"runner.prepare: {timed(lambda: eng.runner.prepare(seqs), 50) * 1e3:.3f} ms")
+    lines.append(f"runner.prepare (eager batch): {timed(lambda: eng.runner.prepare(seqs), 50) * 1e3:.3f} ms")
+    if graphs is not None:
+        lines.append(f"graphs.stage (graph inputs): {timed(lambda: graphs.stage(seqs), 50) * 1e3:.3f} ms")
     if graphs is not None:
         lines.append(f"graph replay (model forward): {timed(graphs.graphs[1].replay, 50) * 1e3:.3f} ms")
     hidden = eng.model(batch)
@@ -66,7 +94,9 @@ def main() -> None:
         for _ in range(3):
             eng.model(batch)
         torch.cuda.synchronize()
-    lines.append(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=60))
+    lines.append(prof.key_averages().table(sort_by="cuda_time_total", row_limit=args.rows, max_name_column_width=70))
+    if args.prefill:
+        lines.append(prefill_profile(eng, args.prefill, args.rows))
     text = "\n".join(lines)
     print(text)
     if args.out:

@@ -169,18 +169,22 @@ def _batch(m: ModelShapes, step: Step) -> SimpleNamespace:
 
 
 def _attention(m: ModelShapes, batch: SimpleNamespace, x: torch.Tensor) -> None:
-    """GatedAttention.forward's kernels: q/k norms on head views, rotary, KV store, paged attention."""
+    """GatedAttention.forward's kernels: fused q/k norms + rotary + KV store, gated paged attention;
+    then the unfused q/k ops (rms_norm on head views, rotary, KV store) that ops still offers."""
     t, dt, d = x.shape[0], m.dtype, m.head_dim
-    query = torch.empty(t, m.heads, 2 * d, dtype=dt)[..., :d]  # the query half of [query | gate]
+    qkv = torch.empty(t, 2 * m.heads * d + 2 * m.kv_heads * d, dtype=dt)  # rows [q0 | g0 | ... | k | v]
+    query_gate, k, v = qkv.split([2 * m.heads * d, m.kv_heads * d, m.kv_heads * d], dim=-1)
+    query, gate = query_gate.view(t, m.heads, 2 * d).split(d, dim=-1)
+    k, v = k.view(t, m.kv_heads, d), v.view(t, m.kv_heads, d)
     norm_w = torch.empty(d, dtype=dt)
     cos = sin = torch.empty(t, m.rotary_dim // 2)
-    q = ops.apply_rotary(ops.rms_norm(query, norm_w, 1e-6, True), cos, sin)
-    k = ops.apply_rotary(ops.rms_norm(torch.empty(t, m.kv_heads, d, dtype=dt), norm_w, 1e-6, True), cos, sin)
-    v = torch.empty(t, m.kv_heads, d, dtype=dt)
     cache = SimpleNamespace(k=torch.empty(4, m.block_size, m.kv_heads, d, dtype=dt),
                             v=torch.empty(4, m.block_size, m.kv_heads, d, dtype=dt))
+    q = ops.qk_norm_rope_store(query, k, v, norm_w, norm_w, 1e-6, cos, sin, cache, batch)
+    ops.attention(q, cache, batch, d**-0.5, gate=gate)
+    q = ops.apply_rotary(ops.rms_norm(query, norm_w, 1e-6, True), cos, sin)
+    k = ops.apply_rotary(ops.rms_norm(k, norm_w, 1e-6, True), cos, sin)
     ops.store_kv(cache, k, v, batch)
-    ops.attention(q, cache, batch, d**-0.5)
 
 
 def _gated_deltanet(m: ModelShapes, batch: SimpleNamespace, t: int) -> None:
@@ -211,11 +215,38 @@ def _gated_deltanet(m: ModelShapes, batch: SimpleNamespace, t: int) -> None:
 
 
 def _moe(m: ModelShapes, x: torch.Tensor) -> None:
-    """SparseMoeBlock's kernels: softmax top-k router and the routed experts (the shared one is torch)."""
+    """SparseMoeBlock's kernels: softmax top-k router and the routed experts (the shared one is torch);
+    at few tokens also the GEMV and decode paths explicitly, whether or not the table makes auto take them."""
+    from armillary.kernels.triton.moe import fused_moe
+    from armillary.kernels.triton.norm_router import add_norm_route
+
     weights, ids = ops.softmax_topk(torch.empty(x.shape[0], m.experts, dtype=m.dtype), m.top_k, True)
     w13 = torch.empty(m.experts, 2 * m.moe_inter, m.hidden, dtype=m.dtype)  # never touched: no memory used
     w2 = torch.empty(m.experts, m.hidden, m.moe_inter, dtype=m.dtype)
     ops.fused_moe(x, w13, w2, weights, ids, "silu")
+    if x.shape[0] <= 16:  # the decode-sized entry: residual add + norm + router + routing in one launch
+        add_norm_route(x, torch.empty_like(x), torch.empty(m.hidden, dtype=m.dtype), 1e-6,
+                       torch.empty(m.experts + 1, m.hidden, dtype=m.dtype), m.top_k, True)
+    if x.shape[0] <= 8:
+        fused_moe(x, w13, w2, weights, ids, "silu", path="gemv")
+    if x.shape[0] * m.top_k <= 16:
+        fused_moe(x, w13, w2, weights, ids, "silu", path="decode")
+
+
+def _projections(m: ModelShapes, t: int) -> None:
+    """The dense projections (GDN in / out, attention qkv / o, router) through ops.linear, where it
+    takes the skinny GEMM kernel (decode-sized steps: larger ones are cuBLAS, not Triton)."""
+    from armillary.kernels.triton.skinny_gemm import serves
+
+    d, gdn_v = m.head_dim, m.gdn_v_heads * m.gdn_v_dim
+    shapes = [(2 * m.gdn_k_heads * m.gdn_k_dim + 2 * gdn_v + 2 * m.gdn_v_heads, m.hidden), (m.hidden, gdn_v),
+              (2 * m.heads * d + 2 * m.kv_heads * d, m.hidden), (m.hidden, m.heads * d)]
+    if m.experts:
+        shapes.append((m.experts + 1, m.hidden))
+    for n, k in shapes:
+        x, w = torch.empty(t, k, dtype=m.dtype), torch.empty(n, k, dtype=m.dtype)
+        if serves(x, w, None, require_win=False) is not None:  # no CPU matmul of a prefill chunk
+            ops.linear(x, w)
 
 
 def run_step(m: ModelShapes, step: Step) -> None:
@@ -225,6 +256,7 @@ def run_step(m: ModelShapes, step: Step) -> None:
     norm_w = torch.empty(m.hidden, dtype=m.dtype)
     ops.add_rms_norm(x, torch.empty_like(x), norm_w, 1e-6, True)
     ops.rms_norm(x, norm_w, 1e-6, True)
+    _projections(m, x.shape[0])
     _attention(m, batch, x)
     _gated_deltanet(m, batch, x.shape[0])
     if m.experts:

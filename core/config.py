@@ -29,6 +29,7 @@ class EngineConfig:
     enforce_eager: bool = False  # no CUDA graphs
     kernel_backend: str = "auto"  # "reference": torch kernels on CUDA too (the oracle); "triton": Triton everywhere
     max_graph_batch: int = 256  # largest decode batch captured in a CUDA graph
+    async_scheduling: bool | None = None  # launch the next decode before reading tokens back; None: on CUDA
     revision: str | None = None
     plugin_args: dict = field(default_factory=dict)  # values of flags plugins added (armillary_add_cli_args)
 

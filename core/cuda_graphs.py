@@ -5,6 +5,8 @@ Graphs are captured largest batch first so smaller ones reuse the pool's memory.
 and a scratch state slot that the memory pools never hand out, so they compute garbage that
 nothing reads. Models do not know they are captured: in a decode-only batch they must read only
 the device tensors of the ``ForwardBatch`` (its ``*_cpu`` lists are placeholders here).
+A step's inputs are written on the host into pinned buffers laid out like the static ones and
+copied in with three transfers (``stage``), then the graph is replayed (``replay``).
 """
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ import logging
 import torch
 
 from armillary.forward_batch import ForwardBatch, LayerCache
+from armillary.sequence import Sequence
 
 log = logging.getLogger("armillary")
 
@@ -36,20 +39,35 @@ class CUDAGraphDecoder:
         self.scratch_slot = scratch_slot
         self.buckets = graph_buckets(max_batch)
         n, dev = max_batch, device
-        self.input_ids = torch.zeros(n, dtype=torch.long, device=dev)
-        self.positions = torch.zeros(n, dtype=torch.long, device=dev)
+        # static inputs in two packed buffers, so a decode step stages them with two host-to-device copies
+        self.packed_i64 = torch.zeros(4 * n, dtype=torch.long, device=dev)
+        self.packed_i32 = torch.zeros(2 * n, dtype=torch.int32, device=dev)
+        self.input_ids, self.positions, self.slot_mapping, self.state_slots = self.packed_i64.view(4, n)
+        self.context_lens, self.seq_lens = self.packed_i32.view(2, n)
         self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=dev)
-        self.context_lens = torch.zeros(n, dtype=torch.int32, device=dev)
-        self.seq_lens = torch.ones(n, dtype=torch.int32, device=dev)
-        self.slot_mapping = torch.zeros(n, dtype=torch.long, device=dev)
         self.block_tables = torch.zeros(n, max_blocks_per_seq, dtype=torch.int32, device=dev)
-        self.state_slots = torch.zeros(n, dtype=torch.long, device=dev)
         self.logits_indices = torch.arange(n, dtype=torch.long, device=dev)
+        pin = dev.type == "cuda"
+        # two sets of pinned staging buffers, alternating: with async scheduling the previous step's
+        # copies may still be queued behind the GPU work when the next step is staged
+        self.host_buffers = [
+            (torch.zeros(4 * n, dtype=torch.long, pin_memory=pin), torch.zeros(2 * n, dtype=torch.int32, pin_memory=pin),
+             torch.zeros(n * max_blocks_per_seq, dtype=torch.int32, pin_memory=pin))
+            for _ in range(2)
+        ]
+        self.num_staged = 0
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         self.pool = None
+        self._batches: dict[int, ForwardBatch] = {}
 
     def _batch(self, b: int) -> ForwardBatch:
+        """The first ``b`` rows of the static buffers as a decode batch (built once per size)."""
+        if b not in self._batches:
+            self._batches[b] = self._new_batch(b)
+        return self._batches[b]
+
+    def _new_batch(self, b: int) -> ForwardBatch:
         return ForwardBatch(
             input_ids=self.input_ids[:b], positions=self.positions[:b],
             query_start_loc=self.query_start_loc[: b + 1], context_lens=self.context_lens[:b],
@@ -58,6 +76,57 @@ class CUDAGraphDecoder:
             query_start_loc_cpu=list(range(b + 1)), context_lens_cpu=[0] * b, seq_lens_cpu=[1] * b,
             is_decode_only=True, max_seq_len=self.max_seq_len,
         )
+
+    def bucket(self, num_seqs: int) -> int:
+        return next(s for s in self.buckets if s >= num_seqs)
+
+    def stage(self, seqs: list[Sequence], input_tokens: torch.Tensor | None = None) -> tuple[ForwardBatch, int]:
+        """Write a decode step's inputs (one new token per sequence) straight into the static buffers:
+        filled on the host, copied with two transfers plus the block-table rows, padding rows included.
+
+        ``input_tokens``: [len(seqs)] device ids still being sampled by the previous step (async
+        scheduling), copied in on the device. Returns the batch of real rows and the bucket to replay.
+        """
+        b, bs = len(seqs), self.block_size
+        bucket = self.bucket(b)
+        host_i64, host_i32, host_tables = self.host_buffers[self.num_staged % 2]
+        self.num_staged += 1
+        i64, i32 = host_i64.numpy(), host_i32.numpy()
+        n = self.max_batch
+        width = max(len(s.block_table) for s in seqs)
+        tables = host_tables[: b * width].view(b, width)
+        tables_np = tables.numpy()
+        for i, seq in enumerate(seqs):
+            pos = seq.num_computed_tokens
+            table = seq.block_table
+            i64[i] = seq.token_ids[pos] if input_tokens is None else 0
+            i64[n + i] = pos
+            i64[2 * n + i] = table[pos // bs] * bs + pos % bs
+            i64[3 * n + i] = seq.state_slot if seq.state_slot is not None else self.scratch_slot
+            i32[i] = pos
+            i32[n + i] = pos + 1
+            tables_np[i, : len(table)] = table
+            tables_np[i, len(table):] = 0
+        self._host_padding(i64, i32, b, bucket)  # rows past the bucket are never read by its graph
+        self.packed_i64.copy_(host_i64, non_blocking=True)
+        self.packed_i32.copy_(host_i32, non_blocking=True)
+        self.block_tables[:b, :width].copy_(tables, non_blocking=True)
+        if input_tokens is not None:
+            self.input_ids[:b].copy_(input_tokens)
+        return self._batch(b), bucket
+
+    def _host_padding(self, i64, i32, start: int, end: int) -> None:
+        """Host rows [start, end): token 0 at position 0 in the scratch block and slot (cached length 0)."""
+        n = self.max_batch
+        for base, value in ((0, 0), (n, 0), (2 * n, self.scratch_block * self.block_size), (3 * n, self.scratch_slot)):
+            i64[base + start: base + end] = value
+        i32[start:end] = 0
+        i32[n + start: n + end] = 1
+
+    def replay(self, bucket: int, num_seqs: int) -> torch.Tensor:
+        """Replay a staged bucket; returns the hidden states of its real rows ``[num_seqs, H]``."""
+        self.graphs[bucket].replay()
+        return self.outputs[bucket][:num_seqs]
 
     def _reset_padding(self, start: int) -> None:
         self.input_ids[start:] = 0
@@ -84,22 +153,6 @@ class CUDAGraphDecoder:
         torch.cuda.synchronize()
         log.info("captured decode CUDA graphs for batch sizes %s", self.buckets)
 
-    def can_run(self, batch: ForwardBatch) -> bool:
-        return batch.is_decode_only and batch.num_seqs <= self.max_batch and bool(self.graphs)
-
-    def run(self, batch: ForwardBatch) -> torch.Tensor:
-        """Replay the bucket for ``batch`` (decodes only); returns hidden states ``[B, H]``."""
-        b = batch.num_seqs
-        bucket = next(s for s in self.buckets if s >= b)
-        self.input_ids[:b] = batch.input_ids
-        self.positions[:b] = batch.positions
-        self.context_lens[:b] = batch.context_lens
-        self.seq_lens[:b] = batch.seq_lens
-        self.slot_mapping[:b] = batch.slot_mapping
-        width = batch.block_tables.shape[1]
-        self.block_tables[:b, :width] = batch.block_tables
-        self.state_slots[:b] = batch.state_slots
-        if bucket > b:
-            self._reset_padding(b)
-        self.graphs[bucket].replay()
-        return self.outputs[bucket][:b]
+    def can_run(self, seqs: list[Sequence]) -> bool:
+        """A decode step: one new token per sequence, at most the largest bucket of them."""
+        return bool(self.graphs) and len(seqs) <= self.max_batch and all(s.num_new_tokens == 1 for s in seqs)

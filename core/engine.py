@@ -1,4 +1,8 @@
-"""The engine: requests in, one ``schedule -> run -> postprocess`` step at a time, outputs out."""
+"""The engine: requests in, one ``schedule -> run -> postprocess`` step at a time, outputs out.
+
+With async scheduling a decode step is launched before the previous step's tokens are read back,
+so the host's bookkeeping overlaps the GPU's work.
+"""
 from __future__ import annotations
 
 import logging
@@ -16,7 +20,7 @@ from armillary.memory.planner import GiB, MemoryPlan, allocate_caches, cuda_cach
 from armillary.memory.state_pool import StatePool
 from armillary.model_files import checkpoint_dtype
 from armillary.model_source import open_model_source
-from armillary.model_runner import ModelRunner
+from armillary.model_runner import LaunchedStep, ModelRunner
 from armillary.outputs import RequestOutput
 from armillary.registry import PluginRegistry, default_registry
 from armillary.request_state import RequestState, SeqText
@@ -91,6 +95,10 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, caches, config.block_size, self.device, Sampler(seed=config.seed),
                                   graphs, structured=self.structured)
         self.requests: dict[str, RequestState] = {}
+        self.async_scheduling = config.async_scheduling if config.async_scheduling is not None \
+            else self.device.type == "cuda"
+        self._inflight: LaunchedStep | None = None  # a launched step whose tokens are not read yet
+        self.num_async_steps = 0  # steps launched before their inputs were on the host
 
     # ---- construction helpers
 
@@ -228,13 +236,59 @@ class LLMEngine:
     # ---- the step
 
     def step(self) -> list[RequestOutput]:
-        seqs = self.scheduler.schedule()
-        if not seqs:
-            return []
-        sampled, _, out = self.runner.run(seqs)
+        """Run one step and return the outputs it finished.
+
+        With async scheduling, a decode step whose sequences all continue is followed at once by the
+        next one, fed the tokens still on the device, before this step's tokens are read back: the
+        host's bookkeeping then overlaps the GPU's work. A sequence that ends on the awaited token
+        (stop token, stop string) had one token too many launched; that token is dropped.
+        """
+        step = self._inflight
+        if step is None:
+            seqs = self.scheduler.schedule()
+            if not seqs:
+                return []
+            step = self._launch(seqs)
+        self._inflight = self._launch_continuation(step)
+        outputs = self._collect(step)
+        if self._inflight is not None and all(s.is_finished for s in self._inflight.seqs):
+            self._inflight = None  # its results concern no live sequence; the GPU finishes it unobserved
+        return outputs
+
+    def _launch(self, seqs: list[Sequence], input_tokens: torch.Tensor | None = None) -> LaunchedStep:
+        step = self.runner.launch(seqs, input_tokens)
         for seq in seqs:
             seq.num_computed_tokens += seq.num_new_tokens
             seq.num_new_tokens = 0
+        return step
+
+    def _launch_continuation(self, step: LaunchedStep) -> LaunchedStep | None:
+        """The next decode step of ``step``'s sequences, launched before ``step``'s tokens are read,
+        or None when the next step needs them on the host (or is not a plain continuation)."""
+        if not self.async_scheduling or self.scheduler.waiting or not step.sampled or len(self.structured):
+            return None
+        if len(step.sampled) != len(self.scheduler.running) or any(s.is_finished for s in step.sampled):
+            return None  # some running sequence is mid-prefill, or one ended meanwhile
+        rows = []
+        for i, seq in enumerate(step.sampled):
+            p = seq.params
+            if p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0 \
+                    or seq.num_output_tokens < p.min_tokens:
+                return None  # the sampler needs the awaited token on the host
+            if seq.num_output_tokens + 1 < seq.max_tokens:  # else the awaited token is its last
+                rows.append(i)
+        seqs = [step.sampled[i] for i in rows]
+        if not seqs or not self.scheduler.schedule_continuation(seqs):
+            return None
+        tokens = step.output.token_ids
+        if len(rows) < len(step.sampled):
+            tokens = tokens[torch.tensor(rows, device=tokens.device)]
+        self.num_async_steps += 1
+        return self._launch(seqs, tokens)
+
+    def _collect(self, step: LaunchedStep) -> list[RequestOutput]:
+        """Wait for ``step``'s tokens and append them; sequences that ended meanwhile are skipped."""
+        out = step.wait()
         touched: dict[str, RequestState] = {}
         if out is not None:
             token_ids = out.token_ids.tolist()
@@ -242,7 +296,9 @@ class LLMEngine:
             top_ids = out.top_ids.tolist() if out.top_ids is not None else None
             top_lps = out.top_logprobs.tolist() if out.top_logprobs is not None else None
             now = time.time()
-            for row, seq in enumerate(sampled):
+            for row, seq in enumerate(step.sampled):
+                if seq.is_finished:  # aborted, or ended on the token before (async scheduling)
+                    continue
                 state = self.requests[seq.request_id]
                 k = seq.params.logprobs
                 if k is not None:
@@ -294,5 +350,6 @@ class LLMEngine:
             "state_slots_total": self.states.num_slots if self.states else 0,
             "state_slots_used": self.states.num_used if self.states else 0,
             "num_preemptions": self.scheduler.num_preemptions,
+            "num_async_steps": self.num_async_steps,
             "prefix_cache_hit_rate": 0.0,
         }

@@ -65,6 +65,18 @@ class Scheduler:
             budget -= n
         return scheduled
 
+    def schedule_continuation(self, seqs: list[Sequence]) -> bool:
+        """Async scheduling: one more decode token for each of ``seqs``, whose last token the step in
+        flight is still sampling. False (nothing changed) when the blocks for it are not free."""
+        if len(seqs) > self.max_num_batched_tokens:
+            return False
+        missing = sum(self.blocks.num_missing(s, s.num_computed_tokens + 1) for s in seqs)
+        if missing > self.blocks.num_free:
+            return False  # the synchronous schedule preempts as it must
+        for seq in seqs:
+            self._take(seq, 1, [])
+        return True
+
     def _take(self, seq: Sequence, n: int, scheduled: list[Sequence]) -> None:
         self.blocks.grow(seq, seq.num_computed_tokens + n)
         seq.num_new_tokens = n

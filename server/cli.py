@@ -83,6 +83,8 @@ def add_serve_args(parser: argparse.ArgumentParser, registry: PluginRegistry | N
     for dest, kind, help_text in _ENGINE_FLAGS:
         eng.add_argument("--" + dest.replace("_", "-"), dest=dest, type=kind, help=help_text)
     eng.add_argument("--enforce-eager", action="store_true", default=None, help="no CUDA graphs")
+    eng.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                     help="launch the next decode step before reading the last one's tokens (default: on CUDA)")
     eng.add_argument("--enable-prefix-caching", action="store_true", default=None,
                      help="reuse KV blocks and state snapshots of shared prompt prefixes")
     before = {action.dest for action in parser._actions}

@@ -77,6 +77,18 @@ def test_gated_rms_norm_matches_reference(dtype, group_size, norm_before_gate):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+def test_gated_rms_norm_on_strided_head_views(dtype):
+    # the GDN output norm: x [T, H, D] contiguous, gate a column slice of the projection viewed per head
+    x = randn(7, 3, 20, dtype=dtype)
+    projected = randn(7, 100, seed=8, dtype=dtype)
+    gate = projected[:, 30:90].view(7, 3, 20)  # strides (100, 20, 1): no [N, D] view without a copy
+    w = randn(20, seed=9, dtype=dtype)
+    out = gated_rms_norm(x, gate, w, 1e-6)
+    ref = ref_norm.gated_rms_norm(x, gate.contiguous(), w, 1e-6)
+    assert out.shape == x.shape and out.is_contiguous() and rel_err(out, ref) < tol(dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("interleaved", [False, True])
 def test_rotary_cache_partial_in_place(dtype, interleaved):
     """rotary_dim 20 of head_dim 36 (half 10, not a power of two); q a strided view of a fused projection."""

@@ -14,6 +14,7 @@ from armillary.kernels import attention as _attn
 from armillary.kernels import moe as _moe
 from armillary.kernels import norm as _norm
 from armillary.kernels import rotary as _rotary
+from armillary.kernels import sdpa_prefill as _sdpa
 
 _BACKENDS = ("auto", "reference", "triton")
 _backend = "auto"
@@ -35,6 +36,22 @@ def use_triton(x: torch.Tensor) -> bool:
     return _backend == "triton" or (x.is_cuda and _backend == "auto")
 
 
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ weight.T + bias``: x [M, K], weight [N, K] (nn.Linear's) -> [M, N].
+
+    Decode-sized x (at most the table's ``max_rows`` rows) takes the Triton skinny GEMM where the
+    target's tuning table says it beats cuBLAS (always, under the forced "triton" backend);
+    prefill, other layouts and the CPU reference take ``F.linear``.
+    """
+    if use_triton(x) and x.dim() == 2:
+        from armillary.kernels.triton import skinny_gemm as tri
+
+        cfg = tri.serves(x, weight, bias, require_win=_backend != "triton")
+        if cfg is not None:
+            return tri.skinny_gemm(x, weight, bias, config=cfg)
+    return torch.nn.functional.linear(x, weight, bias)
+
+
 def store_kv(cache: KVCache, k: torch.Tensor, v: torch.Tensor, batch: ForwardBatch) -> None:
     """Write new keys / values ``[T, Hkv, D]`` into the paged cache at ``batch.slot_mapping``."""
     if use_triton(k):
@@ -46,19 +63,58 @@ def store_kv(cache: KVCache, k: torch.Tensor, v: torch.Tensor, batch: ForwardBat
 
 
 def attention(q: torch.Tensor, cache: KVCache, batch: ForwardBatch, scale: float,
-              sliding_window: int | None = None, softcap: float | None = None) -> torch.Tensor:
-    """Causal attention of the step's queries ``[T, Hq, D]`` over each sequence's cached context."""
+              sliding_window: int | None = None, softcap: float | None = None,
+              gate: torch.Tensor | None = None) -> torch.Tensor:
+    """Causal attention of the step's queries ``[T, Hq, D]`` over each sequence's cached context.
+
+    ``gate``: optional [T, Hq, Dv] (unit last stride); the output is then ``attn · sigmoid(gate)``,
+    each factor rounded to the model dtype as the unfused torch ops round them.
+    """
     if not use_triton(q):
-        return _attn.paged_attention(q, cache, batch.block_tables, batch.query_start_loc_cpu, batch.seq_lens_cpu,
-                                     scale, sliding_window, softcap)
+        out = _attn.paged_attention(q, cache, batch.block_tables, batch.query_start_loc_cpu, batch.seq_lens_cpu,
+                                    scale, sliding_window, softcap)
+        return _gated(out, gate)
+    if (q.is_cuda and not batch.is_decode_only and not sliding_window and not softcap
+            and q.dtype in (torch.float16, torch.bfloat16)
+            and _sdpa.worth_it(batch.context_lens_cpu, batch.query_start_loc_cpu)):
+        out = _sdpa.fresh_prefill_attention(q, cache, batch.block_tables, batch.query_start_loc_cpu, scale)
+        if out is not None:
+            return _gated(out, gate)
     from armillary.kernels.triton import paged_attention as tri
 
     if batch.is_decode_only:
         return tri.paged_attention_decode(q, cache.k, cache.v, batch.block_tables, batch.seq_lens, scale,
-                                          sliding_window, softcap, max_seq_len=batch.max_seq_len)
+                                          sliding_window, softcap, max_seq_len=batch.max_seq_len, gate=gate)
     return tri.paged_attention_prefill(q, cache.k, cache.v, batch.block_tables, batch.query_start_loc,
                                        batch.seq_lens, batch.max_query_len, scale, sliding_window, softcap,
-                                       max_seq_len=batch.max_seq_len)
+                                       max_seq_len=batch.max_seq_len, gate=gate)
+
+
+def _gated(out: torch.Tensor, gate: torch.Tensor | None) -> torch.Tensor:
+    """``out · sigmoid(gate)`` with torch ops (out, gate: [T, H, D]); ``out`` itself without a gate."""
+    if gate is None:
+        return out
+    return out * torch.sigmoid(gate)  # elementwise on the [T, H, D] views: no copy of the strided gate
+
+
+def qk_norm_rope_store(query: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_weight: torch.Tensor,
+                       k_weight: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache,
+                       batch: ForwardBatch, zero_centered: bool = True) -> torch.Tensor:
+    """Per-head RMSNorm of q and k, neox rotary on their first ``2 * cos.shape[-1]`` dims, K/V store.
+
+    query: [T, Hq, D], k: [T, Hkv, D], v: [T, Hkv, Dv] (views of the qkv projection); cos, sin:
+    [T, rotary_dim / 2]. Writes k (normed, rotated) and v to ``cache`` at ``batch.slot_mapping``;
+    returns q [T, Hq, D]. One launch on Triton; otherwise the unfused reference ops.
+    """
+    if use_triton(query):
+        from armillary.kernels.triton.qk_norm_rope import qk_norm_rope_store as tri
+
+        return tri(query, k, v, q_weight, k_weight, eps, cos, sin, cache.k, cache.v, batch.slot_mapping,
+                   zero_centered)
+    q = _rotary.apply_rotary(_norm.rms_norm(query, q_weight, eps, zero_centered), cos, sin)
+    k = _rotary.apply_rotary(_norm.rms_norm(k, k_weight, eps, zero_centered), cos, sin)
+    _attn.write_kv(cache, k, v, batch.slot_mapping)
+    return q
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centered: bool = False) -> torch.Tensor:
@@ -85,6 +141,8 @@ def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, ep
     if use_triton(x):
         from armillary.kernels.triton.norm import gated_rms_norm as tri
 
+        if x.dim() in (2, 3) and group_size is None:  # strided [T, H, D] views are read in place
+            return tri(x, gate, weight, eps, None, norm_before_gate)
         d = x.shape[-1]
         return tri(x.reshape(-1, d), gate.reshape(-1, d), weight, eps, group_size, norm_before_gate).view(x.shape)
     return _norm.gated_rms_norm(x, gate, weight, eps, group_size, norm_before_gate)
@@ -126,6 +184,29 @@ def softmax_topk_with_shared(router_logits: torch.Tensor, top_k: int,
     shared_w = torch.sigmoid(router_logits[:, num_experts:].float())  # [T, 1]
     shared_id = torch.full_like(ids[:, :1], num_experts)
     return torch.cat([weights, shared_w], dim=1), torch.cat([ids, shared_id], dim=1)
+
+
+def add_rms_norm_route(h: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+                       router_weight: torch.Tensor, top_k: int, renormalize: bool, zero_centered: bool = True
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The entry of an MoE block with a fused shared expert (its gate the router's last row):
+    r = h + residual, x = rms_norm(r), softmax top-k of x @ router_weight.T plus the shared expert.
+
+    h, residual: [T, H]; router_weight: [E + 1, H] -> (x [T, H], r [T, H], weights [T, k + 1] fp32,
+    ids [T, k + 1]). One Triton launch for decode-sized T where the target's table enables it (or
+    under the forced "triton" backend); the unfused ops otherwise.
+    """
+    if use_triton(h):
+        from armillary.kernels.triton import norm_router as tri
+
+        if tri.serves(h, forced=_backend == "triton"):
+            fused = tri.add_norm_route(h, residual, norm_weight, eps, router_weight, top_k, renormalize,
+                                       zero_centered=zero_centered)
+            if fused is not None:
+                return fused
+    x, r = add_rms_norm(h, residual, norm_weight, eps, zero_centered)
+    weights, ids = softmax_topk_with_shared(linear(x, router_weight), top_k, renormalize)
+    return x, r, weights, ids
 
 
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,

@@ -5,7 +5,9 @@
 epilogue into a row-sorted intermediate, GEMM 2 with the routing weight multiplied in, scattered
 back to pair order, then the top-k rows of each token summed in float32 (no atomics, so the
 result does not depend on scheduling). Decode (pairs <= the table's ``max_pairs``): moe_decode.
-Every launch has a grid fixed by shapes, so both paths can be captured in a CUDA graph.
+A few tokens (T <= the "fused_moe_gemv" table's ``max_tokens``): moe_gemv, row-streaming GEMVs
+with the top-k sum fused into the down kernel. Every launch has a grid fixed by shapes, so every
+path can be captured in a CUDA graph.
 """
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ from armillary.kernels.triton.moe_decode import (
     moe_decode_down_kernel,
     moe_decode_up_kernel,
 )
+from armillary.kernels.triton.moe_gemv import LOOP_STATIC, moe_gemv
 from armillary.kernels.tuning import kernel_config
 
 TUNING_PACKAGE = "armillary.kernels"
@@ -37,6 +40,12 @@ DECODE_DEFAULTS = {
     "max_pairs": 16,
     "BLOCK_N1": 64, "BLOCK_K1": 128, "num_warps1": 4, "num_stages1": 4,
     "BLOCK_N2": 128, "BLOCK_K2": 64, "num_warps2": 4, "num_stages2": 4,
+}  # fmt: skip
+# max_tokens 0: auto never picks the GEMV path where a target's table has no entry
+GEMV_DEFAULTS = {
+    "max_tokens": 0, "pdl": False,
+    "BLOCK_N1": 2, "BLOCK_K1": 2048, "LOOP1": LOOP_STATIC, "num_warps1": 4, "num_stages1": 1,
+    "BLOCK_N2": 2, "BLOCK_K2": 512, "PAIR_BLOCK": 4, "LOOP2": LOOP_STATIC, "num_warps2": 4, "num_stages2": 1,
 }  # fmt: skip
 
 
@@ -149,6 +158,11 @@ def grouped_config_key(num_pairs: int, num_experts: int) -> str:
     return f"r{next((b for b in GROUPED_BUCKETS if avg <= b), GROUPED_BUCKETS[-1])}"
 
 
+def gemv_config_key(num_tokens: int) -> str:
+    """Tuning key of the GEMV path: tokens rounded up to a power of two (``"t4"`` for 3)."""
+    return f"t{triton.next_power_of_2(num_tokens)}"
+
+
 def _check_shapes(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor) -> bool:
     """Validate the operands; returns whether the expert is gated (w13 holds [gate | up])."""
     inter = w2.shape[2]
@@ -183,7 +197,8 @@ def fused_moe(
     [E, I, H] (``act(up)``, relu²); w2: [E, H, I]; topk_weights: [T, k] (float32 preferred);
     topk_ids: [T, k] int32 / int64, distinct within a row (as top-k routing gives; the decode path
     relies on it). Returns [T, H] in x's dtype. ``activation``: "silu" | "relu2".
-    ``path``: "auto" (decode kernels when T·k <= the table's max_pairs), "decode", "grouped".
+    ``path``: "auto" (GEMV kernels when T <= the "fused_moe_gemv" table's max_tokens, else decode
+    kernels when T·k <= the "fused_moe_decode" table's max_pairs, else grouped), "gemv", "decode", "grouped".
     ``config`` overrides keys of the tuning-table entry fitted to the element size (benchmarks, autotuning).
     """
     gated = _check_shapes(x, w13, w2, topk_ids)
@@ -201,6 +216,11 @@ def fused_moe(
     x = x if x.stride(1) == 1 else x.contiguous()
     ids = topk_ids.contiguous()
     pair_weights = topk_weights.contiguous()
+    if path in ("auto", "gemv"):
+        gemv = kernel_config(TUNING_PACKAGE, "fused_moe_gemv", gemv_config_key(num_tokens), GEMV_DEFAULTS, x.device)
+        if path == "gemv" or num_tokens <= gemv["max_tokens"]:
+            cfg = {**fit_element_size(gemv, element_size), **(config or {})}
+            return moe_gemv(x, w13, w2, pair_weights, ids, out, gated, act, cfg)
     precision = "ieee" if x.dtype == torch.float32 else "tf32"
     pairs_out = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)  # [T * k, H]
 
@@ -245,7 +265,7 @@ def fused_moe(
             BLOCK_K=cfg["BLOCK_K2"], GROUP_M=cfg["GROUP_M"], num_warps=cfg["num_warps2"], num_stages=cfg["num_stages2"],
         )  # fmt: skip
     else:
-        raise ValueError(f"fused_moe: path {path!r} not in ('auto', 'decode', 'grouped')")
+        raise ValueError(f"fused_moe: path {path!r} not in ('auto', 'gemv', 'decode', 'grouped')")
     sum_block = min(1024, triton.next_power_of_2(hidden))
     _sum_topk_kernel[(num_tokens, triton.cdiv(hidden, sum_block))](pairs_out, out, hidden, TOP_K=top_k, BLOCK_N=sum_block)
     return out

@@ -9,6 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
+from armillary.kernels.triton.pdl import launch_options, pdl_prologue
 from armillary.kernels.tuning import kernel_config
 
 TUNING_PACKAGE = "armillary.kernels"
@@ -28,7 +29,8 @@ def _rms_norm_kernel(
     stride_x_outer,
     stride_x_inner,
     stride_r,
-    stride_g,
+    stride_g_outer,
+    stride_g_inner,
     weight_groups,
     eps,
     HAS_RESIDUAL: tl.constexpr,
@@ -37,11 +39,13 @@ def _rms_norm_kernel(
     ZERO_CENTERED: tl.constexpr,
     ROWS: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Rows of ``dim`` elements; x row r sits at (r // rows_inner, r % rows_inner) of a 3-D view.
 
     The weight index of row r is (r % weight_groups) * dim + column (gated norm groups).
     """
+    pdl_prologue(PDL)
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     cols = tl.arange(0, BLOCK_D)
     mask = (rows < num_rows)[:, None] & (cols < dim)[None, :]
@@ -54,7 +58,8 @@ def _rms_norm_kernel(
         tl.store(res_out_ptr + rows64[:, None] * dim + cols[None, :], summed, mask=mask)
         x = summed.to(tl.float32)
     if HAS_GATE:
-        gate = tl.load(gate_ptr + rows64[:, None] * stride_g + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        g_off = (rows64 // rows_inner) * stride_g_outer + (rows64 % rows_inner) * stride_g_inner  # same view as x
+        gate = tl.load(gate_ptr + g_off[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         gate = gate * tl.sigmoid(gate)
         if not NORM_BEFORE_GATE:
             x = x * gate
@@ -94,8 +99,10 @@ def _launch(
     norm_before_gate: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     shape, dim = x.shape, x.shape[-1]
-    if (residual is not None or gate is not None) and x.dim() != 2:
-        raise ValueError("fused_add_rms_norm / gated_rms_norm: x must be [N, D]")
+    if residual is not None and x.dim() != 2:
+        raise ValueError("fused_add_rms_norm: x must be [N, D]")
+    if gate is not None and (gate.shape != x.shape or x.dim() not in (2, 3)):
+        raise ValueError("gated_rms_norm: x and gate must be [N, D] or [T, H, D] of one shape")
     if gate is not None and group is not None and group != dim:
         if not (x.is_contiguous() and gate.is_contiguous()):
             raise ValueError("gated_rms_norm with groups needs contiguous x and gate")
@@ -109,8 +116,9 @@ def _launch(
     res_out = torch.empty_like(out) if residual is not None else None
     if residual is not None and (residual.stride(-1) != 1 or residual.dim() != 2 or residual.shape != x.shape):
         raise ValueError("fused_add_rms_norm: residual must be [T, D] like x with unit last stride")
-    if gate is not None and (gate.stride(-1) != 1 or gate.dim() != 2):
-        raise ValueError("gated_rms_norm: gate must be 2-D ([N, D]) with unit last stride")
+    if gate is not None and gate.stride(-1) != 1:
+        raise ValueError("gated_rms_norm: gate must have unit last stride")
+    _, g_outer, g_inner = _rows_view(gate) if gate is not None else (1, 0, 0)
     if num_rows == 0:
         return out.view(shape), res_out
     block_d = triton.next_power_of_2(dim)
@@ -121,10 +129,9 @@ def _launch(
     _rms_norm_kernel[(triton.cdiv(num_rows, cfg["ROWS"]),)](
         x, residual if residual is not None else x, gate if gate is not None else x, weight, out,
         res_out if res_out is not None else out, num_rows, dim, rows_inner, stride_outer, stride_inner,
-        residual.stride(0) if residual is not None else 0, gate.stride(0) if gate is not None else 0,
-        weight_groups, float(eps), HAS_RESIDUAL=residual is not None, HAS_GATE=gate is not None,
+        residual.stride(0) if residual is not None else 0, g_outer, g_inner, weight_groups, float(eps), HAS_RESIDUAL=residual is not None, HAS_GATE=gate is not None,
         NORM_BEFORE_GATE=norm_before_gate, ZERO_CENTERED=zero_centered, ROWS=cfg["ROWS"], BLOCK_D=block_d,
-        num_warps=cfg["num_warps"],
+        num_warps=cfg["num_warps"], **launch_options(x.device),
     )  # fmt: skip
     return out.view(shape), res_out
 
@@ -157,7 +164,8 @@ def gated_rms_norm(
 ) -> torch.Tensor:
     """RMSNorm gated by silu(gate) over ``group_size`` slices: armillary.kernels.norm.gated_rms_norm.
 
-    x, gate: [N, D] (contiguous when grouped); weight: [D] (not zero-centred).
+    x, gate: [N, D] or [T, H, D] of one shape (strided views allowed, unit last stride; contiguous
+    when grouped); weight: [D] (not zero-centred). Returns a contiguous tensor of x's shape.
     """
     if group_size is not None and x.shape[-1] % group_size:
         raise ValueError(f"gated_rms_norm: dim {x.shape[-1]} is not a multiple of group_size {group_size}")

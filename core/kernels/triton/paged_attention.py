@@ -15,6 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
+from armillary.kernels.triton.pdl import launch_options, pdl_prologue
 from armillary.kernels.tuning import kernel_config
 
 LOG2E = 1.4426950408889634
@@ -100,22 +101,32 @@ def _attend_range(
 
 
 @triton.jit
+def _gated(out, gate_ptrs, mask):
+    """out · sigmoid(gate), rounded as torch rounds ``out * torch.sigmoid(gate)`` (out already in its dtype)."""
+    gate = tl.load(gate_ptrs, mask=mask, other=0.0)
+    sig = tl.sigmoid(gate.to(tl.float32)).to(gate.dtype)
+    return (out.to(tl.float32) * sig.to(tl.float32)).to(out.dtype)
+
+
+@triton.jit
 def _paged_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
-    out_ptr, part_out_ptr, part_lse_ptr,
+    out_ptr, part_out_ptr, part_lse_ptr, gate_ptr,
     scale_log2, softcap_log2, softcap_inv2, window, num_splits,
     stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-    stride_bt, stride_ot, stride_oh,
+    stride_bt, stride_ot, stride_oh, stride_gt, stride_gh,
     NUM_HEADS: tl.constexpr, GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr,
     SPLIT_KV: tl.constexpr, DECODE: tl.constexpr,
-    USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr, HAS_GATE: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Grid (q tiles, B, Hkv · num_splits); q tiles run last-first so the longest causal rows start first.
 
     num_splits is a runtime int (no recompile per split count); SPLIT_KV says whether it exceeds 1.
     """
+    pdl_prologue(PDL)
     q_tile = tl.num_programs(0) - 1 - tl.program_id(0)
     b = tl.program_id(1)
     kvh = tl.program_id(2) // num_splits
@@ -187,8 +198,12 @@ def _paged_attention_kernel(
     t_glob = (q_start + tok).to(tl.int64)
     dv_ok = offs_dv[None, :] < HEAD_DIM_V
     if not SPLIT_KV:
+        out = out.to(out_ptr.dtype.element_ty)
+        if HAS_GATE:
+            g_ptrs = gate_ptr + t_glob[:, None] * stride_gt + head[:, None] * stride_gh + offs_dv[None, :]
+            out = _gated(out, g_ptrs, row_ok[:, None] & dv_ok)
         o_ptrs = out_ptr + t_glob[:, None] * stride_ot + head[:, None] * stride_oh + offs_dv[None, :]
-        tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & dv_ok)
+        tl.store(o_ptrs, out, mask=row_ok[:, None] & dv_ok)
     else:
         part_row = (t_glob * NUM_HEADS + head) * num_splits + split  # [BLOCK_M] row of [T, Hq, S]
         lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(l_safe))
@@ -199,10 +214,12 @@ def _paged_attention_kernel(
 
 @triton.jit
 def _combine_splits_kernel(
-    part_out_ptr, part_lse_ptr, out_ptr, num_splits, stride_ot, stride_oh,
+    part_out_ptr, part_lse_ptr, out_ptr, gate_ptr, num_splits, stride_ot, stride_oh, stride_gt, stride_gh,
     NUM_HEADS: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_S: tl.constexpr,
+    HAS_GATE: tl.constexpr, PDL: tl.constexpr,
 ):
-    """Grid (T, Hq): out = Σ_s 2^(lse_s − M) · out_s / Σ_s 2^(lse_s − M) over the splits."""
+    """Grid (T, Hq): out = Σ_s 2^(lse_s − M) · out_s / Σ_s 2^(lse_s − M) over the splits (· sigmoid(gate))."""
+    pdl_prologue(PDL)
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     base = (t * NUM_HEADS + h) * num_splits
@@ -220,8 +237,10 @@ def _combine_splits_kernel(
         part_out_ptr + (base + offs_s)[:, None] * HEAD_DIM_V + offs_dv[None, :],
         mask=s_ok[:, None] & dv_ok[None, :], other=0.0,
     )  # [BLOCK_S, BLOCK_DV]
-    out = tl.sum(parts * w[:, None], 0) / denom
-    tl.store(out_ptr + t * stride_ot + h * stride_oh + offs_dv, out.to(out_ptr.dtype.element_ty), mask=dv_ok)
+    out = (tl.sum(parts * w[:, None], 0) / denom).to(out_ptr.dtype.element_ty)
+    if HAS_GATE:
+        out = _gated(out, gate_ptr + t * stride_gt + h * stride_gh + offs_dv, dv_ok)
+    tl.store(out_ptr + t * stride_ot + h * stride_oh + offs_dv, out, mask=dv_ok)
 
 
 _SM_COUNT: dict[int, int] = {}
@@ -262,14 +281,18 @@ def _check_inputs(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
 def _launch(
     q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, sliding_window, softcap,
     max_query_len: int, max_seq_len: int | None, out: torch.Tensor | None, cfg: dict, block_m: int,
-    block_q: int, decode: bool,
+    block_q: int, decode: bool, gate: torch.Tensor | None = None,
 ) -> torch.Tensor:
     _check_inputs(q, k_cache, v_cache, block_tables)
     T, Hq, D = q.shape
     page, Hkv, Dv = k_cache.shape[1], k_cache.shape[2], v_cache.shape[3]
     B = block_tables.shape[0]
+    if gate is not None and (gate.shape != (T, Hq, Dv) or gate.stride(-1) != 1):
+        raise ValueError(f"paged attention: gate must be [T, Hq, Dv] = {(T, Hq, Dv)} with unit last stride, "
+                         f"not {tuple(gate.shape)}")
     if out is None:
         out = q.new_empty(T, Hq, Dv)
+    gate_arg = gate if gate is not None else out  # unused by the kernels without HAS_GATE
     if T == 0 or B == 0:
         return out
     max_kv = max_seq_len if max_seq_len is not None else block_tables.shape[1] * page
@@ -285,22 +308,23 @@ def _launch(
     use_softcap = bool(softcap)
     _paged_attention_kernel[(q_tiles, B, Hkv * splits)](
         q, k_cache, v_cache, block_tables, seq_lens, query_start_loc if query_start_loc is not None else seq_lens,
-        out, part_out, part_lse,
+        out, part_out, part_lse, gate_arg,
         scale * LOG2E, (softcap or 1.0) * LOG2E, 2.0 * scale / (softcap or 1.0), int(sliding_window or 0), splits,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0), out.stride(0), out.stride(1),
-        NUM_HEADS=Hq, GROUP=Hq // Hkv, HEAD_DIM=D, HEAD_DIM_V=Dv,
+        gate_arg.stride(0), gate_arg.stride(1), NUM_HEADS=Hq, GROUP=Hq // Hkv, HEAD_DIM=D, HEAD_DIM_V=Dv,
         BLOCK_D=triton.next_power_of_2(D), BLOCK_DV=triton.next_power_of_2(Dv),
         BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=cfg["BLOCK_N"], PAGE=page, SPLIT_KV=splits > 1, DECODE=decode,
         USE_WINDOW=bool(sliding_window), USE_SOFTCAP=use_softcap,
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", HAS_GATE=gate is not None,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **launch_options(q.device),
     )
     if splits > 1:
         _combine_splits_kernel[(T, Hq)](
-            part_out, part_lse, out, splits, out.stride(0), out.stride(1),
-            NUM_HEADS=Hq, HEAD_DIM_V=Dv, BLOCK_DV=triton.next_power_of_2(Dv),
-            BLOCK_S=max(16, triton.next_power_of_2(splits)), num_warps=4,
+            part_out, part_lse, out, gate_arg, splits, out.stride(0), out.stride(1), gate_arg.stride(0),
+            gate_arg.stride(1), NUM_HEADS=Hq, HEAD_DIM_V=Dv, BLOCK_DV=triton.next_power_of_2(Dv),
+            BLOCK_S=max(16, triton.next_power_of_2(splits)), HAS_GATE=gate is not None, num_warps=4,
+            **launch_options(q.device),
         )
     return out
 
@@ -340,6 +364,7 @@ def paged_attention_decode(
     max_seq_len: int | None = None,
     out: torch.Tensor | None = None,
     config: dict | None = None,
+    gate: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One new query token per sequence over its cached context (the token itself already written).
 
@@ -348,13 +373,15 @@ def paged_attention_decode(
     padding row, whose output is zeros). ``max_seq_len``: host upper bound of ``seq_lens`` that only
     sets the number of key splits (default: the block-table capacity); any value gives correct
     results, so a CUDA graph captured with a bucket stays valid for every length. ``out``: optional
-    [B, Hq, Dv] destination. ``config`` overrides the tuning-table launch config. Returns [B, Hq, Dv].
+    [B, Hq, Dv] destination. ``config`` overrides the tuning-table launch config. ``gate``: optional
+    [B, Hq, Dv] (unit last stride, e.g. a view of the projection); the output is then
+    ``attn · sigmoid(gate)``, each rounded to the dtype as the torch ops do. Returns [B, Hq, Dv].
     """
     group = q.shape[1] // k_cache.shape[2]
     cfg = _config("paged_attention_decode", DECODE_DEFAULTS, q, k_cache, config)
     block_m = max(16, triton.next_power_of_2(group))
     return _launch(q, k_cache, v_cache, block_tables, seq_lens, None, scale, sliding_window, softcap,
-                   1, max_seq_len, out, cfg, block_m, 1, True)
+                   1, max_seq_len, out, cfg, block_m, 1, True, gate)
 
 
 def paged_attention_prefill(
@@ -371,6 +398,7 @@ def paged_attention_prefill(
     max_seq_len: int | None = None,
     out: torch.Tensor | None = None,
     config: dict | None = None,
+    gate: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of varlen new tokens over their sequences' cached K/V (new chunk already written).
 
@@ -378,7 +406,8 @@ def paged_attention_prefill(
     seq_lens: [B] int32 on the device; query ``i`` of sequence ``b`` sits at position
     ``seq_lens[b] - n_b + i``. ``max_query_len`` (host int, >= every n_b) sizes the grid; mixed
     batches of prefill chunks and single-token decodes are fine. ``max_seq_len`` as in decode (it
-    matters only when few query tiles exist, e.g. short chunks over long contexts). Returns [T, Hq, Dv].
+    matters only when few query tiles exist, e.g. short chunks over long contexts). ``gate``
+    ([T, Hq, Dv]) as in decode. Returns [T, Hq, Dv].
     """
     group = q.shape[1] // k_cache.shape[2]
     pcfg = _config("paged_attention_prefill", PREFILL_DEFAULTS, q, k_cache, config)
@@ -392,4 +421,4 @@ def paged_attention_prefill(
     block_m = max(block_m, triton.next_power_of_2(group))
     block_q = block_m // group
     return _launch(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, sliding_window, softcap,
-                   max(1, max_query_len), max_seq_len, out, cfg, block_m, block_q, False)
+                   max(1, max_query_len), max_seq_len, out, cfg, block_m, block_q, False, gate)

@@ -47,10 +47,10 @@ class GatedAttention(nn.Module):
         num_tokens = x.shape[0]
         query_gate, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         query, gate = query_gate.view(num_tokens, self.num_heads, 2 * self.head_dim).split(self.head_dim, dim=-1)
-        q = ops.apply_rotary(self.q_norm(query), cos, sin)  # [T, Hq, D]
-        k = ops.apply_rotary(self.k_norm(k.view(num_tokens, self.num_kv_heads, self.head_dim)), cos, sin)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        ops.store_kv(cache, k, v, batch)
-        attn = ops.attention(q, cache, batch, self.scale)  # [T, Hq, D]
-        gated = attn.reshape(num_tokens, -1) * torch.sigmoid(gate.reshape(num_tokens, -1))
-        return self.o_proj(gated)
+        # q/k norms, rotary and the K/V store in one launch on the GPU (both norms use cfg.rms_norm_eps)
+        q = ops.qk_norm_rope_store(query, k, v, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, cos, sin,
+                                   cache, batch)  # [T, Hq, D]
+        attn = ops.attention(q, cache, batch, self.scale, gate=gate)  # [T, Hq, D] · sigmoid(gate), fused
+        return self.o_proj(attn.reshape(num_tokens, -1))

@@ -9,9 +9,17 @@ from armillary.kernels.activation import get_activation
 from armillary.kernels import ops
 
 
+class Linear(nn.Linear):
+    """``nn.Linear`` (same ``weight`` / ``bias``) whose forward is ``ops.linear``: the Triton skinny GEMM
+    for decode-sized batches on the GPU where it beats cuBLAS, ``F.linear`` otherwise."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return ops.linear(x, self.weight, self.bias)
+
+
 def linear(in_features: int, out_features: int, bias: bool = False) -> nn.Linear:
-    """An ``nn.Linear`` on the current default device with uninitialised weights (load_weights fills them)."""
-    return skip_init(nn.Linear, in_features, out_features, bias=bias, device=torch.get_default_device())
+    """A :class:`Linear` on the current default device with uninitialised weights (load_weights fills them)."""
+    return skip_init(Linear, in_features, out_features, bias=bias, device=torch.get_default_device())
 
 
 def embedding(num_embeddings: int, dim: int) -> nn.Embedding:

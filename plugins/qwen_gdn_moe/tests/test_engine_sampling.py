@@ -12,12 +12,14 @@ from tests.fixtures.logits_recorder import LogitsRecorder
 from tests.fixtures.tiny_tokenizer import make_qwen_tokenizer
 
 
-@pytest.fixture(scope="module")
-def llm(tmp_path_factory):
+@pytest.fixture(scope="module", params=[False, True], ids=["sync", "async"])
+def llm(request, tmp_path_factory):
+    """The engine with and without async scheduling (next decode launched before tokens are read)."""
     path = tmp_path_factory.mktemp("tiny")
     build_hf_model(CASES_BY_NAME["next_full_last"]).save_pretrained(path)
     make_qwen_tokenizer(path, vocab_size=VOCAB)
-    return LLM(str(path), registry=qwen_registry(), dtype="float32", max_model_len=96, max_num_seqs=8)
+    return LLM(str(path), registry=qwen_registry(), dtype="float32", max_model_len=96, max_num_seqs=8,
+               async_scheduling=request.param)
 
 
 def sample(**kw) -> SamplingParams:

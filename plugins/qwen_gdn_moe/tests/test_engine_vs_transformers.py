@@ -19,8 +19,10 @@ def greedy() -> SamplingParams:
     return SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
 
 
-def test_generate_one_at_a_time_matches_transformers(reference):
-    llm = LLM(str(reference.model_dir), registry=qwen_registry(), dtype="float32", max_model_len=256)
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_generate_one_at_a_time_matches_transformers(reference, async_scheduling):
+    llm = LLM(str(reference.model_dir), registry=qwen_registry(), dtype="float32", max_model_len=256,
+              async_scheduling=async_scheduling)
     rec = LogitsRecorder(llm.engine.model)
     for prompt, tokens, logits in zip(reference.prompts, reference.tokens, reference.logits):
         rec.rows.clear()
@@ -30,12 +32,15 @@ def test_generate_one_at_a_time_matches_transformers(reference):
         ours = torch.stack(rec.rows)
         err = (ours - logits).abs().max() / logits.abs().max()
         assert err < 1e-4, f"relative logits error {err:.2e}"
+    assert (llm.engine.num_async_steps > 0) == async_scheduling
 
 
-def test_staggered_chunked_preempted_batch_matches_one_at_a_time(reference):
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_staggered_chunked_preempted_batch_matches_one_at_a_time(reference, async_scheduling):
     # a 16-token step budget < the longest prompt (100); 20 blocks x 8 = 160 tokens cannot hold all four
     llm = LLM(str(reference.model_dir), registry=qwen_registry(), dtype="float32", max_model_len=256,
-              max_num_batched_tokens=16, block_size=8, num_kv_blocks=20, max_num_seqs=4)
+              max_num_batched_tokens=16, block_size=8, num_kv_blocks=20, max_num_seqs=4,
+              async_scheduling=async_scheduling)
     engine = llm.engine
     done, step = {}, 0
     pending = list(enumerate(reference.prompts))
@@ -48,6 +53,7 @@ def test_staggered_chunked_preempted_batch_matches_one_at_a_time(reference):
                 done[out.request_id] = out.outputs[0].token_ids
         step += 1
     assert engine.scheduler.num_preemptions > 0
+    assert (engine.num_async_steps > 0) == async_scheduling
     assert [done[f"r{i}"] for i in range(len(reference.prompts))] == reference.tokens
     stats = engine.stats()
     assert stats["kv_blocks_used"] == 0 and stats["state_slots_used"] == 0

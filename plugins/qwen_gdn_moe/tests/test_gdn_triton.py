@@ -26,7 +26,10 @@ from armillary_qwen_gdn_moe.ops.gated_delta_rule.chunk import (  # noqa: E402
     chunk_gated_delta_rule,
     chunk_gated_delta_rule_slots,
 )
-from armillary_qwen_gdn_moe.ops.gated_delta_rule.fused_recurrent import fused_gdn_decode  # noqa: E402
+from armillary_qwen_gdn_moe.ops.gated_delta_rule.fused_recurrent import (  # noqa: E402
+    decode_scratch,
+    fused_gdn_decode,
+)
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 # fp32 inputs use "ieee" dots on the GPU (no tf32); fp16 keeps w, u and chunk states in fp16
@@ -143,33 +146,90 @@ def _decode_reference(mixed, conv_weight, conv_states, ssm_states, A_log, dt_bia
     return gated_rms_norm(o, z.reshape(batch, HV, V), norm_weight, 1e-6).reshape(batch, value_dim)
 
 
-@pytest.mark.parametrize("H,HV,K,V,dtype", [
-    (2, 4, 24, 20, torch.float32),
-    (2, 4, 24, 20, torch.float16),
-    (1, 3, 16, 36, torch.float32),
-])
-def test_fused_decode_matches_layer_math(H, HV, K, V, dtype):
-    gen = torch.Generator().manual_seed(3)
-    batch, kernel, num_slots = 3, 4, 6
-    conv_dim = 2 * H * K + HV * V
-    mixed = torch.randn(batch, conv_dim + HV * V + 2 * HV, generator=gen).to(dtype)
-    conv_weight = (torch.randn(conv_dim, kernel, generator=gen) * 0.5).to(dtype)
+def _decode_case(H, HV, K, V, dtype, num_slots, gen):
+    """Parameters and initial states of one layer: (params dict, conv_states, ssm_states)."""
+    kernel, conv_dim = 4, 2 * H * K + HV * V
+    params = {
+        "conv_weight": (torch.randn(conv_dim, kernel, generator=gen) * 0.5).to(dtype),
+        "A_log": torch.randn(HV, generator=gen) * 0.5,
+        "dt_bias": torch.randn(HV, generator=gen) * 0.5,
+        "norm_weight": torch.randn(V, generator=gen).to(dtype),
+    }
     conv_states = torch.randn(num_slots, conv_dim, kernel - 1, generator=gen).to(dtype)
-    ssm_states = torch.randn(num_slots, HV, K, V, generator=gen) * 0.3
-    A_log = torch.randn(HV, generator=gen) * 0.5
-    dt_bias = torch.randn(HV, generator=gen) * 0.5
-    norm_weight = torch.randn(V, generator=gen).to(dtype)
-    slots = torch.tensor([4, 0, 2])
+    return params, conv_states, torch.randn(num_slots, HV, K, V, generator=gen) * 0.3
 
+
+# split_bv 0: a program per key head; 8: V in blocks of 8 (tickets for the windows and the row norm);
+# 32 >= V: a program per whole value head (tickets for the q/k windows only when HV > H); None: the table's
+@pytest.mark.parametrize("H,HV,K,V,dtype,config", [
+    (2, 4, 24, 20, torch.float32, {"split_bv": 0}),
+    (2, 4, 24, 20, torch.float16, None),
+    (1, 3, 16, 36, torch.float32, {"split_bv": 0}),
+    (2, 4, 24, 20, torch.float32, {"split_bv": 8, "num_warps": 2}),
+    (2, 4, 24, 20, torch.float16, {"split_bv": 8}),
+    (2, 4, 24, 20, torch.float32, {"split_bv": 32}),
+    (1, 3, 16, 36, torch.float32, {"split_bv": 16, "num_warps": 1}),
+    (3, 3, 16, 20, torch.float32, {"split_bv": 8}),
+    (3, 3, 16, 20, torch.float32, {"split_bv": 32}),
+])
+@pytest.mark.parametrize("batch", [1, 5])
+def test_fused_decode_matches_layer_math(H, HV, K, V, dtype, config, batch):
+    """Three steps in a row (the conv windows and the ticket counters carry over between calls)."""
+    gen = torch.Generator().manual_seed(3 + batch)
+    num_slots = batch + 3
+    params, conv_states, ssm_states = _decode_case(H, HV, K, V, dtype, num_slots, gen)
+    slots = torch.randperm(num_slots, generator=gen)[:batch]
     ref_conv, ref_ssm = conv_states.clone(), ssm_states.clone()
-    ref = _decode_reference(mixed, conv_weight, ref_conv, ref_ssm, A_log, dt_bias, norm_weight, slots, H, K, V)
-    got_conv, got_ssm = conv_states.to(DEVICE), ssm_states.to(DEVICE)
-    out = fused_gdn_decode(
-        mixed.to(DEVICE), conv_weight.to(DEVICE), got_conv, got_ssm, A_log.to(DEVICE), dt_bias.to(DEVICE),
-        norm_weight.to(DEVICE), 1e-6, slots.to(DEVICE), H, K, V,
-    )
-    assert out.shape == (batch, HV * V) and out.dtype == dtype
-    assert _rel_err(out, ref) < TOL[dtype]
-    assert torch.equal(got_conv.cpu(), ref_conv)  # windows are copies of inputs
-    assert _rel_err(got_ssm, ref_ssm) < TOL[dtype]
-    assert torch.equal(got_ssm.cpu()[[1, 3, 5]], ssm_states[[1, 3, 5]])
+    got_conv, got_ssm = conv_states.to(DEVICE, copy=True), ssm_states.to(DEVICE, copy=True)
+    dev = {name: t.to(DEVICE) for name, t in params.items()}
+    for _ in range(3):
+        mixed = torch.randn(batch, 2 * H * K + 2 * HV * V + 2 * HV, generator=gen).to(dtype)
+        ref = _decode_reference(mixed, params["conv_weight"], ref_conv, ref_ssm, params["A_log"], params["dt_bias"],
+                                params["norm_weight"], slots, H, K, V)
+        out = fused_gdn_decode(
+            mixed.to(DEVICE), dev["conv_weight"], got_conv, got_ssm, dev["A_log"], dev["dt_bias"],
+            dev["norm_weight"], 1e-6, slots.to(DEVICE), H, K, V, config=config,
+        )
+        assert out.shape == (batch, HV * V) and out.dtype == dtype
+        assert _rel_err(out, ref) < TOL[dtype]
+        assert torch.equal(got_conv.cpu(), ref_conv)  # windows are copies of inputs
+        assert _rel_err(got_ssm, ref_ssm) < TOL[dtype]
+    untouched = [i for i in range(num_slots) if i not in slots.tolist()]
+    assert torch.equal(got_ssm.cpu()[untouched], ssm_states[untouched])
+    tickets, _ = decode_scratch(torch.device(DEVICE), 0, 0)
+    assert not tickets.any()  # every launch leaves its counters at zero
+
+
+def test_fused_decode_value_split_is_deterministic_and_matches_key_head_walk():
+    """Same inputs, two launches of the split: bitwise equal outputs; equal to the key-head walk
+    up to summation order (the states) and bitwise on the conv windows."""
+    H, HV, K, V, batch = 2, 4, 24, 20, 4
+    gen = torch.Generator().manual_seed(11)
+    params, conv_states, ssm_states = _decode_case(H, HV, K, V, torch.float32, batch, gen)
+    mixed = torch.randn(batch, 2 * H * K + 2 * HV * V + 2 * HV, generator=gen).to(DEVICE)
+    dev = {name: t.to(DEVICE) for name, t in params.items()}
+    slots = torch.tensor([2, 0, 3, 1], device=DEVICE)
+
+    def run(config):
+        conv, ssm = conv_states.to(DEVICE, copy=True), ssm_states.to(DEVICE, copy=True)
+        out = fused_gdn_decode(mixed, dev["conv_weight"], conv, ssm, dev["A_log"], dev["dt_bias"],
+                               dev["norm_weight"], 1e-6, slots, H, K, V, config=config)
+        return out, conv, ssm
+
+    walk, split, again = run({"split_bv": 0}), run({"split_bv": 8}), run({"split_bv": 8})
+    assert all(torch.equal(a, b) for a, b in zip(split, again))
+    assert torch.equal(split[1], walk[1])
+    assert _rel_err(split[0], walk[0].cpu()) < 1e-5 and _rel_err(split[2], walk[2].cpu()) < 1e-5
+
+
+def test_decode_config_picks_the_smallest_batch_limit(monkeypatch):
+    import armillary_qwen_gdn_moe.ops.gated_delta_rule.fused_recurrent as fr
+
+    table = {"num_warps": 4, "split_bv": 0, "by_batch": {"1": {"split_bv": 32}, "16": {"split_bv": 64, "num_warps": 8}}}
+    monkeypatch.setattr(fr, "kernel_config", lambda *args: dict(table))
+    cpu = torch.device("cpu")
+    assert fr.decode_config(1, 128, 128, cpu) == {"num_warps": 4, "split_bv": 32}
+    assert fr.decode_config(2, 128, 128, cpu) == {"num_warps": 8, "split_bv": 64}
+    assert fr.decode_config(16, 128, 128, cpu) == {"num_warps": 8, "split_bv": 64}
+    assert fr.decode_config(17, 128, 128, cpu) == {"num_warps": 4, "split_bv": 0}
+    assert fr.decode_config(17, 128, 128, cpu, {"num_warps": 2}) == {"num_warps": 2, "split_bv": 0}
