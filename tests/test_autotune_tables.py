@@ -1,0 +1,39 @@
+"""bench/autotune.py's table handling: merged entries replace only their kernels, and the checked-in
+tables are in the layout it writes (so a regenerated table diffs line by line)."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+spec = importlib.util.spec_from_file_location("autotune", ROOT / "bench" / "autotune.py")
+autotune = importlib.util.module_from_spec(spec)
+sys.modules["autotune"] = autotune  # its dataclass resolves annotations through sys.modules
+spec.loader.exec_module(autotune)
+
+
+def test_merge_replaces_swept_kernels_and_keeps_the_rest():
+    table = {"_comment": "top", "paged_attention_decode": {"d256": {"BLOCK_N": 32}}, "skinny_gemm": {"old": {}}}
+    merged = autotune.merge(table, {"skinny_gemm": {"default": {"max_rows": 16}}}, "bench/skinny_gemm.py")
+    assert merged["paged_attention_decode"] == table["paged_attention_decode"]
+    assert merged["skinny_gemm"]["default"] == {"max_rows": 16} and "old" not in merged["skinny_gemm"]
+    assert merged["skinny_gemm"]["_comment"].startswith("bench/skinny_gemm.py")
+    assert json.loads(autotune.render(merged)) == merged
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "core" / "kernels" / "tuning").glob("sm_90.json"))
+                         + sorted((ROOT / "plugins").glob("*/*/tuning/sm_90.json")), ids=str)
+def test_checked_in_tables_are_in_the_written_layout(path):
+    text = path.read_text()
+    assert autotune.render(json.loads(text)) == text
+
+
+def test_moe_tune_results_become_table_entries():
+    result = {"tune_grouped": {"r512": {"ms": 2.1, "tokens": 16384, "config": {"BLOCK_M": 128}}},
+              "tune_decode": {"p16": {"ms": 0.02, "config": {"BLOCK_N1": 32}}}}
+    assert autotune._moe_tuned(result) == {"fused_moe": {"r512": {"BLOCK_M": 128}},
+                                           "fused_moe_decode": {"p16": {"BLOCK_N1": 32}}}
