@@ -30,9 +30,9 @@ if SMOKE:
 import torch  # noqa: E402
 import triton  # noqa: E402
 
+from armillary.kernels.triton.device_buffers import ticket_buffer  # noqa: E402
 from armillary_qwen_gdn_moe.ops.gated_delta_rule.fused_recurrent import (  # noqa: E402
     decode_config,
-    decode_scratch,
     fused_gdn_decode,
 )
 
@@ -86,7 +86,7 @@ def check(x: dict, cfg: dict, steps: list[torch.Tensor]) -> dict:
     repeat = {**x, "conv_states": x["conv_states"].clone(), "ssm_states": x["ssm_states"].clone()}
     first = call(repeat, cfg, steps[0])
     (ref_outs, ref_conv, ref_ssm), (outs, conv, ssm) = runs["ref"], runs["cfg"]
-    tickets, _ = decode_scratch(DEVICE, 0, 0)
+    tickets = ticket_buffer(DEVICE, 0)
     return {
         "err_out": max(rel_err(o, r) for o, r in zip(outs, ref_outs)),
         "err_state": rel_err(ssm, ref_ssm),
@@ -154,7 +154,7 @@ def sweep_batch(batch: int, deadline: float, results: dict, failed: set[str]) ->
             row = check(layers[0], table if cfg is None else cfg, steps)
             row["us"] = graph_us([lambda x=x: call(x, cfg) for x in layers])
             row["TBps"] = state_bytes / row["us"] / 1e6
-            row["tickets_zero"] &= not bool(decode_scratch(DEVICE, 0, 0)[0].any())  # after all the replays too
+            row["tickets_zero"] &= not bool(ticket_buffer(DEVICE, 0).any())  # after all the replays too
         except Exception as exc:  # a config that fails to compile or run: record it and go on
             row = {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
             traceback.print_exc(limit=2)

@@ -218,15 +218,11 @@ def _moe(m: ModelShapes, x: torch.Tensor) -> None:
     """SparseMoeBlock's kernels: softmax top-k router and the routed experts (the shared one is torch);
     at few tokens also the GEMV and decode paths explicitly, whether or not the table makes auto take them."""
     from armillary.kernels.triton.moe import fused_moe
-    from armillary.kernels.triton.norm_router import add_norm_route
 
     weights, ids = ops.softmax_topk(torch.empty(x.shape[0], m.experts, dtype=m.dtype), m.top_k, True)
     w13 = torch.empty(m.experts, 2 * m.moe_inter, m.hidden, dtype=m.dtype)  # never touched: no memory used
     w2 = torch.empty(m.experts, m.hidden, m.moe_inter, dtype=m.dtype)
     ops.fused_moe(x, w13, w2, weights, ids, "silu")
-    if x.shape[0] <= 16:  # the decode-sized entry: residual add + norm + router + routing in one launch
-        add_norm_route(x, torch.empty_like(x), torch.empty(m.hidden, dtype=m.dtype), 1e-6,
-                       torch.empty(m.experts + 1, m.hidden, dtype=m.dtype), m.top_k, True)
     if x.shape[0] <= 8:
         fused_moe(x, w13, w2, weights, ids, "silu", path="gemv")
     if x.shape[0] * m.top_k <= 16:

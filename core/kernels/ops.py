@@ -186,29 +186,6 @@ def softmax_topk_with_shared(router_logits: torch.Tensor, top_k: int,
     return torch.cat([weights, shared_w], dim=1), torch.cat([ids, shared_id], dim=1)
 
 
-def add_rms_norm_route(h: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float,
-                       router_weight: torch.Tensor, top_k: int, renormalize: bool, zero_centered: bool = True
-                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The entry of an MoE block with a fused shared expert (its gate the router's last row):
-    r = h + residual, x = rms_norm(r), softmax top-k of x @ router_weight.T plus the shared expert.
-
-    h, residual: [T, H]; router_weight: [E + 1, H] -> (x [T, H], r [T, H], weights [T, k + 1] fp32,
-    ids [T, k + 1]). One Triton launch for decode-sized T where the target's table enables it (or
-    under the forced "triton" backend); the unfused ops otherwise.
-    """
-    if use_triton(h):
-        from armillary.kernels.triton import norm_router as tri
-
-        if tri.serves(h, forced=_backend == "triton"):
-            fused = tri.add_norm_route(h, residual, norm_weight, eps, router_weight, top_k, renormalize,
-                                       zero_centered=zero_centered)
-            if fused is not None:
-                return fused
-    x, r = add_rms_norm(h, residual, norm_weight, eps, zero_centered)
-    weights, ids = softmax_topk_with_shared(linear(x, router_weight), top_k, renormalize)
-    return x, r, weights, ids
-
-
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor, activation: str = "silu") -> torch.Tensor:
     """Routed experts: ``x: [T, H]``, ``w13: [E, 2I or I, H]``, ``w2: [E, H, I]`` -> ``[T, H]``."""

@@ -16,22 +16,6 @@ from armillary.kernels.triton.pdl import launch_options, pdl_prologue
 
 
 @triton.jit
-def pick_top_k(choice, scores, experts, TOP_K: tl.constexpr, BLOCK_K: tl.constexpr):
-    """The TOP_K largest ``choice`` entries, in descending order: (their ``scores`` [BLOCK_K] fp32,
-    their expert ids [BLOCK_K] int32); slots past TOP_K hold zeros."""
-    slots = tl.arange(0, BLOCK_K)
-    picked_weights = tl.zeros([BLOCK_K], dtype=tl.float32)
-    picked_ids = tl.zeros([BLOCK_K], dtype=tl.int32)
-    for slot in tl.static_range(TOP_K):
-        best = tl.argmax(choice, axis=0)  # ties go to the lower expert id, like torch.topk
-        best_score = tl.sum(tl.where(experts == best, scores, 0.0), axis=0)
-        picked_weights = tl.where(slots == slot, best_score, picked_weights)
-        picked_ids = tl.where(slots == slot, best.to(tl.int32), picked_ids)
-        choice = tl.where(experts == best, float("-inf"), choice)
-    return picked_weights, picked_ids
-
-
-@triton.jit
 def _route_kernel(
     logits_ptr,
     bias_ptr,
@@ -69,7 +53,14 @@ def _route_kernel(
     choice = tl.where(in_range, choice, float("-inf"))
 
     slots = tl.arange(0, BLOCK_K)
-    picked_weights, picked_ids = pick_top_k(choice, scores, experts, TOP_K, BLOCK_K)
+    picked_weights = tl.zeros([BLOCK_K], dtype=tl.float32)
+    picked_ids = tl.zeros([BLOCK_K], dtype=tl.int32)
+    for slot in tl.static_range(TOP_K):
+        best = tl.argmax(choice, axis=0)  # ties go to the lower expert id, like torch.topk
+        best_score = tl.sum(tl.where(experts == best, scores, 0.0), axis=0)
+        picked_weights = tl.where(slots == slot, best_score, picked_weights)
+        picked_ids = tl.where(slots == slot, best.to(tl.int32), picked_ids)
+        choice = tl.where(experts == best, float("-inf"), choice)
     if RENORMALIZE:
         total = tl.sum(picked_weights, axis=0)
         if SIGMOID:

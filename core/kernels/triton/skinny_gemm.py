@@ -11,9 +11,9 @@ flight; shapes with few N tiles also split K (``split_k`` programs per tile). Tw
 Split K is deterministic: each program writes its fp32 partial to a workspace, takes a ticket
 (``atomic_add``, acq_rel), and the last arriver of a tile sums the partials in split order, adds
 the bias, stores, and resets the tile's ticket to 0 so the next call (or a CUDA-graph replay)
-starts from zero. The ticket buffer is per device and shared by all calls, so calls must not run
-concurrently on two streams (the engine runs one). Nothing syncs with the host; the grid follows
-the shapes, so the wrapper is CUDA-graph capturable once one eager call allocated the tickets.
+starts from zero. The tickets are the device's shared ``ticket_buffer``, so calls must not run
+concurrently on two streams (the engine runs one). Nothing syncs with the host and the grid
+follows the shapes, so the wrapper is CUDA-graph capturable.
 """
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ import triton
 import triton.language as tl
 
 from armillary.kernels import tuning
+from armillary.kernels.triton.device_buffers import ticket_buffer
 from armillary.kernels.triton.pdl import launch_options, pdl_prologue
 
 TUNING_PACKAGE = "armillary.kernels"
@@ -34,7 +35,6 @@ DEFAULTS = {
     "split_k": 0, "target_waves": 2, "num_warps": 4, "num_stages": 1,
 }  # fmt: skip
 _MAX_SPLITS = 32
-_TICKETS: dict[torch.device, torch.Tensor] = {}
 
 
 @triton.jit
@@ -175,18 +175,6 @@ def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def ticket_buffer(device: torch.device, size: int) -> torch.Tensor | None:
-    """The device's zeroed ticket counters (>= size), or None when they would have to be made
-    during a CUDA-graph capture (a zero-fill there would not run before the capture's kernels)."""
-    have = _TICKETS.get(device)
-    if have is not None and have.numel() >= size:
-        return have
-    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-        return None
-    _TICKETS[device] = torch.zeros(max(size, 4096), dtype=torch.int32, device=device)
-    return _TICKETS[device]
-
-
 def _launch_shape(cfg: dict, rows: int, n: int, k: int, element_size: int, device: torch.device) -> dict:
     """Block sizes, path and split count of one launch from its (merged) config."""
     use_dot = cfg["path"] == "dot" or (cfg["path"] == "auto" and rows > 1)
@@ -233,16 +221,10 @@ def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     elif out.shape != (rows, n) or out.stride(1) != 1:
         raise ValueError(f"skinny_gemm: out {tuple(out.shape)} must be [{rows}, {n}] with unit column stride")
     split = launch["split_k"]
-    tickets = ticket_buffer(x.device, launch["tiles"]) if split > 1 else None
-    if split > 1 and tickets is None:  # first use inside a capture: no split rather than unzeroed tickets
-        launch = _launch_shape({**cfg, "split_k": 1}, rows, n, k, x.element_size(), x.device)
-        split = 1
+    tickets = ticket_buffer(x.device, launch["tiles"])  # untouched without a split
     # the split branch is compiled whatever split_k is: it gets fp32 / int32 pointers either way
     part = torch.empty(split if split > 1 else 1, rows, n if split > 1 else 1, dtype=torch.float32,
                        device=x.device)
-    if tickets is None:
-        tickets = _TICKETS.get(x.device, None)
-        tickets = tickets if tickets is not None else torch.empty(1, dtype=torch.int32, device=x.device)
     grid = (triton.cdiv(n, launch["BLOCK_N"]), triton.cdiv(rows, launch["BLOCK_M"]), split)
     _skinny_gemm_kernel[grid](
         x, weight, bias if bias is not None else out, out, part, tickets,

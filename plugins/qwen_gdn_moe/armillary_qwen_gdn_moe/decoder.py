@@ -50,8 +50,6 @@ class DecoderLayer(nn.Module):
             if not isinstance(cache, KVCache):
                 raise TypeError(f"an attention layer needs a KVCache, got {type(cache).__name__}")
             h = self.self_attn(x, batch, cache, cos, sin)
-        if isinstance(self.mlp, SparseMoeBlock):
-            return self.mlp.add_norm_forward(h, residual, self.post_attention_layernorm)
         x, residual = self.post_attention_layernorm.add(h, residual)
         return self.mlp(x), residual
 

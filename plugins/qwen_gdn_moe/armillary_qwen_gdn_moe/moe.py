@@ -72,17 +72,6 @@ class SparseMoeBlock(nn.Module):
             "shared_expert.down_proj.weight": ("experts.down_proj", (e,)),
         }.get(local_name)
 
-    def add_norm_forward(self, h: torch.Tensor, residual: torch.Tensor, norm: nn.Module
-                         ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(self(norm(h + residual)), h + residual); with the shared expert fused, the add, the norm,
-        the router and the routing are one op (one launch at decode sizes on the GPU)."""
-        if not self.shared_fused or h.shape[0] >= ROUTER_PAD_MIN_TOKENS:
-            x, residual = norm.add(h, residual)
-            return self(x), residual
-        x, residual, topk_weights, topk_ids = ops.add_rms_norm_route(
-            h, residual, norm.weight, norm.eps, self.gate.weight, self.top_k, self.renormalize)
-        return self.experts(x, topk_weights, topk_ids), residual
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [T, H] -> [T, H]."""
         router = self.router_padded if x.shape[0] >= ROUTER_PAD_MIN_TOKENS else self.gate.weight

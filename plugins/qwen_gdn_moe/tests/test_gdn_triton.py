@@ -26,10 +26,8 @@ from armillary_qwen_gdn_moe.ops.gated_delta_rule.chunk import (  # noqa: E402
     chunk_gated_delta_rule,
     chunk_gated_delta_rule_slots,
 )
-from armillary_qwen_gdn_moe.ops.gated_delta_rule.fused_recurrent import (  # noqa: E402
-    decode_scratch,
-    fused_gdn_decode,
-)
+from armillary.kernels.triton.device_buffers import ticket_buffer  # noqa: E402
+from armillary_qwen_gdn_moe.ops.gated_delta_rule.fused_recurrent import fused_gdn_decode  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 # fp32 inputs use "ieee" dots on the GPU (no tf32); fp16 keeps w, u and chunk states in fp16
@@ -196,7 +194,7 @@ def test_fused_decode_matches_layer_math(H, HV, K, V, dtype, config, batch):
         assert _rel_err(got_ssm, ref_ssm) < TOL[dtype]
     untouched = [i for i in range(num_slots) if i not in slots.tolist()]
     assert torch.equal(got_ssm.cpu()[untouched], ssm_states[untouched])
-    tickets, _ = decode_scratch(torch.device(DEVICE), 0, 0)
+    tickets = ticket_buffer(torch.device(DEVICE), 0)
     assert not tickets.any()  # every launch leaves its counters at zero
 
 

@@ -18,8 +18,8 @@ Two launch shapes of one kernel, picked per batch size from the tuning table (``
   anybody (no co-residency assumption), and the last arriver puts the counter back to zero.
 
 Both are one launch whose grid depends only on the batch size, with nothing read back, so the call
-is CUDA-graph capturable. The tickets and scratch are cached per device and shared by every layer
-(calls on one device must be stream-ordered, as a model's layers are).
+is CUDA-graph capturable. The tickets and scratch are core's per-device ``device_buffers``, shared
+by every layer and kernel (calls on one device must be stream-ordered, as a model's layers are).
 """
 from __future__ import annotations
 
@@ -27,6 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
+from armillary.kernels.triton.device_buffers import device_buffer, ticket_buffer
 from armillary.kernels.triton.pdl import launch_options, pdl_prologue
 from armillary.kernels.tuning import kernel_config
 
@@ -260,38 +261,6 @@ def _gdn_decode_kernel(
         )
 
 
-# per device: (int32 tickets, fp32 scratch), grown by doubling; retired ones stay alive for captured graphs
-_SCRATCH: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
-_RETIRED: list[torch.Tensor] = []
-
-
-def decode_scratch(device: torch.device, num_tickets: int, num_floats: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(tickets: >= num_tickets int32 zeros, scratch: >= num_floats fp32) for the value split.
-
-    Cached per device. A call that needs more while a CUDA graph is being captured gets buffers of
-    its own (the graph zeroes its tickets on every replay) and leaves the cache as it was: the
-    engine warms up every batch size eagerly before capturing it, so that path is only a fallback.
-    """
-    if device.type == "cuda" and device.index is None:  # "cuda" and "cuda:0" are one cache entry
-        device = torch.device("cuda", torch.cuda.current_device())
-    tickets, scratch = _SCRATCH.get(device, (None, None))
-    grow_t = tickets is None or tickets.numel() < num_tickets
-    grow_s = scratch is None or scratch.numel() < num_floats
-    if not (grow_t or grow_s):
-        return tickets, scratch
-    old_t, old_s = (0, 0) if tickets is None else (tickets.numel(), scratch.numel())
-    if grow_t:
-        tickets = torch.zeros(max(num_tickets, 2 * old_t), dtype=torch.int32, device=device)
-    if grow_s:
-        scratch = torch.empty(max(num_floats, 2 * old_s), dtype=torch.float32, device=device)
-    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-        return tickets, scratch
-    if device in _SCRATCH:
-        _RETIRED.extend(_SCRATCH[device])
-    _SCRATCH[device] = (tickets, scratch)
-    return tickets, scratch
-
-
 def decode_config(batch: int, head_k_dim: int, head_v_dim: int, device: torch.device,
                   config: dict | None = None) -> dict:
     """The launch config for ``batch`` tokens: defaults, then the tuning table's entry (its
@@ -364,7 +333,9 @@ def fused_gdn_decode(
         bv = min(split_bv, bv_row)
         nv = triton.cdiv(head_v_dim, bv)
         grid = (batch, num_v_heads, nv)
-        tickets, scratch = decode_scratch(mixed.device, batch * num_k_heads, batch * num_v_heads * (head_v_dim + nv))
+        tickets = ticket_buffer(mixed.device, batch * num_k_heads)
+        scratch = device_buffer("gdn_decode_rows", mixed.device, batch * num_v_heads * (head_v_dim + nv), torch.float32,
+                                zeroed=False)
         rows, partials = scratch, scratch[batch * value_dim:]  # [B, HV, V] then [B, HV, NV]
     else:
         bv, nv = bv_row, 1
