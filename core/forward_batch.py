@@ -23,6 +23,9 @@ class KVCache:
 
     k: torch.Tensor
     v: torch.Tensor
+    group: int = 0  # the cache group whose block table and slot mapping address this layer
+    k_scale: torch.Tensor | None = None  # per-layer dequantization scales of a quantized (FP8) cache
+    v_scale: torch.Tensor | None = None
 
     @property
     def block_size(self) -> int:
@@ -34,6 +37,7 @@ class LatentCache:
     """Paged MLA latent of one layer: ``kv: [num_blocks, block_size, kv_lora_rank + rope_dim]``."""
 
     kv: torch.Tensor
+    group: int = 0
 
 
 @dataclass(slots=True)
@@ -59,13 +63,16 @@ class ForwardBatch:
     query_start_loc:  [B+1] int32, cu_seqlens of the new tokens
     context_lens:     [B] int32, tokens already cached before this step
     seq_lens:         [B] int32, context_lens + new tokens
-    slot_mapping:     [T] int64, flat KV slot of each new token
-    block_tables:     [B, max_blocks] int32, padded with 0
+    slot_mapping:     [T] int64, flat KV slot of each new token (cache group 0's)
+    block_tables:     [B, max_blocks] int32, padded with 0 (cache group 0's)
     state_slots:      [B] int64, recurrent-state slot of each sequence
     logits_indices:   [N] int64, rows of the hidden output whose logits are sampled
     caches:           per layer of the model's cache_layout, or None
-    *_cpu:            host copies of the small per-sequence vectors, for reference paths
-                      (placeholders inside CUDA-graph decode steps: fast paths must not read them)
+    group_block_tables, group_slot_mappings:
+                      the same per paged cache group (index = ``KVCache.group``); a layer reads
+                      its own through ``block_tables_of`` / ``slot_mapping_of``
+    *_cpu:            host copies of the small per-sequence vectors, for reference paths;
+                      None inside CUDA-graph decode steps, so a host-list kernel fails loudly there
     """
 
     input_ids: torch.Tensor
@@ -78,15 +85,25 @@ class ForwardBatch:
     state_slots: torch.Tensor
     logits_indices: torch.Tensor
     caches: list[LayerCache | None]
-    query_start_loc_cpu: list[int] = field(default_factory=list)
-    context_lens_cpu: list[int] = field(default_factory=list)
-    seq_lens_cpu: list[int] = field(default_factory=list)
+    query_start_loc_cpu: list[int] | None = field(default_factory=list)
+    context_lens_cpu: list[int] | None = field(default_factory=list)
+    seq_lens_cpu: list[int] | None = field(default_factory=list)
     is_decode_only: bool = False
     max_seq_len: int = 0  # longest seq_len; a CUDA graph passes its bucket's limit (kernel grids use it)
+    group_block_tables: list[torch.Tensor] = field(default_factory=list)
+    group_slot_mappings: list[torch.Tensor] = field(default_factory=list)
+
+    def block_tables_of(self, cache: KVCache | LatentCache) -> torch.Tensor:
+        """[B, max_blocks] block table of ``cache``'s group."""
+        return self.group_block_tables[cache.group] if self.group_block_tables else self.block_tables
+
+    def slot_mapping_of(self, cache: KVCache | LatentCache) -> torch.Tensor:
+        """[T] flat slot of each new token in ``cache``'s group."""
+        return self.group_slot_mappings[cache.group] if self.group_slot_mappings else self.slot_mapping
 
     @property
     def num_seqs(self) -> int:
-        return len(self.seq_lens_cpu)
+        return self.seq_lens.shape[0]
 
     @property
     def num_tokens(self) -> int:

@@ -57,9 +57,9 @@ def store_kv(cache: KVCache, k: torch.Tensor, v: torch.Tensor, batch: ForwardBat
     if use_triton(k):
         from armillary.kernels.triton.kv_cache import write_kv_cache
 
-        write_kv_cache(k, v, cache.k, cache.v, batch.slot_mapping)
+        write_kv_cache(k, v, cache.k, cache.v, batch.slot_mapping_of(cache))
     else:
-        _attn.write_kv(cache, k, v, batch.slot_mapping)
+        _attn.write_kv(cache, k, v, batch.slot_mapping_of(cache))
 
 
 def attention(q: torch.Tensor, cache: KVCache, batch: ForwardBatch, scale: float,
@@ -71,21 +71,23 @@ def attention(q: torch.Tensor, cache: KVCache, batch: ForwardBatch, scale: float
     each factor rounded to the model dtype as the unfused torch ops round them.
     """
     if not use_triton(q):
-        out = _attn.paged_attention(q, cache, batch.block_tables, batch.query_start_loc_cpu, batch.seq_lens_cpu,
+        if batch.seq_lens_cpu is None:
+            raise RuntimeError("the reference attention reads host lists, which a CUDA-graph batch does not have")
+        out = _attn.paged_attention(q, cache, batch.block_tables_of(cache), batch.query_start_loc_cpu, batch.seq_lens_cpu,
                                     scale, sliding_window, softcap)
         return _gated(out, gate)
     if (q.is_cuda and not batch.is_decode_only and not sliding_window and not softcap
             and q.dtype in (torch.float16, torch.bfloat16)
             and _sdpa.worth_it(batch.context_lens_cpu, batch.query_start_loc_cpu)):
-        out = _sdpa.fresh_prefill_attention(q, cache, batch.block_tables, batch.query_start_loc_cpu, scale)
+        out = _sdpa.fresh_prefill_attention(q, cache, batch.block_tables_of(cache), batch.query_start_loc_cpu, scale)
         if out is not None:
             return _gated(out, gate)
     from armillary.kernels.triton import paged_attention as tri
 
     if batch.is_decode_only:
-        return tri.paged_attention_decode(q, cache.k, cache.v, batch.block_tables, batch.seq_lens, scale,
+        return tri.paged_attention_decode(q, cache.k, cache.v, batch.block_tables_of(cache), batch.seq_lens, scale,
                                           sliding_window, softcap, max_seq_len=batch.max_seq_len, gate=gate)
-    return tri.paged_attention_prefill(q, cache.k, cache.v, batch.block_tables, batch.query_start_loc,
+    return tri.paged_attention_prefill(q, cache.k, cache.v, batch.block_tables_of(cache), batch.query_start_loc,
                                        batch.seq_lens, batch.max_query_len, scale, sliding_window, softcap,
                                        max_seq_len=batch.max_seq_len, gate=gate)
 
@@ -109,11 +111,11 @@ def qk_norm_rope_store(query: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_
     if use_triton(query):
         from armillary.kernels.triton.qk_norm_rope import qk_norm_rope_store as tri
 
-        return tri(query, k, v, q_weight, k_weight, eps, cos, sin, cache.k, cache.v, batch.slot_mapping,
+        return tri(query, k, v, q_weight, k_weight, eps, cos, sin, cache.k, cache.v, batch.slot_mapping_of(cache),
                    zero_centered)
     q = _rotary.apply_rotary(_norm.rms_norm(query, q_weight, eps, zero_centered), cos, sin)
     k = _rotary.apply_rotary(_norm.rms_norm(k, k_weight, eps, zero_centered), cos, sin)
-    _attn.write_kv(cache, k, v, batch.slot_mapping)
+    _attn.write_kv(cache, k, v, batch.slot_mapping_of(cache))
     return q
 
 
