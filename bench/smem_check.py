@@ -157,7 +157,7 @@ def _batch(m: ModelShapes, step: Step) -> SimpleNamespace:
     for q in step.query_lens:
         starts.append(starts[-1] + q)
     i32 = dict(dtype=torch.int32)
-    return SimpleNamespace(
+    batch = SimpleNamespace(
         query_start_loc=torch.tensor(starts, **i32), query_start_loc_cpu=starts,
         seq_lens=torch.tensor(seq_lens, **i32), seq_lens_cpu=seq_lens,
         slot_mapping=torch.zeros(starts[-1], dtype=torch.int64),
@@ -166,6 +166,9 @@ def _batch(m: ModelShapes, step: Step) -> SimpleNamespace:
         is_decode_only=all(q == 1 for q in step.query_lens), max_seq_len=max(seq_lens),
         max_query_len=max(step.query_lens),
     )  # fmt: skip
+    batch.block_tables_of = lambda cache: batch.block_tables  # one cache group
+    batch.slot_mapping_of = lambda cache: batch.slot_mapping
+    return batch
 
 
 def _attention(m: ModelShapes, batch: SimpleNamespace, x: torch.Tensor) -> None:
