@@ -2,13 +2,16 @@
 
 Each sweep below times its candidate launch configs on this device and writes the configs it would
 ship; this script runs them one after another (each in its own process), collects those entries
-and merges them into the tables of the current target (``sm_90.json`` on an H100 / H200, ...):
-``core/kernels/tuning/`` and the Qwen plugin's ``tuning/``. Entries of kernels no sweep covers
-(attention tiles, GDN chunk / conv tiles: picked by hand from ``attention_kernels.py`` and
-``gdn_kernels.py``) are kept as they are.
+and merges them into this GPU's own table (``sm_90_h200.json`` on an H200; ``--generic``: the
+capability's ``sm_90.json``, which every sm_90 GPU reads beneath its own). Each sweep times the
+Qwen3.6 shapes, so its entries go to the Qwen plugin's ``tuning/`` (model shapes stay out of
+core's tables, which keep the generic entries). Entries of kernels no sweep covers (attention
+tiles, GDN chunk / conv tiles: picked by hand from ``attention_kernels.py`` and ``gdn_kernels.py``)
+are kept as they are.
 
     python bench/autotune.py --out DIR            # merged tables in DIR/tuning/, package files untouched
     python bench/autotune.py --out DIR --write    # also overwrite the package tables
+    python bench/autotune.py --out DIR --generic  # the capability's table instead of this GPU's
     python bench/autotune.py --out DIR --smoke    # CPU: each sweep's interpreter smoke run, tables for "cpu"
 """
 from __future__ import annotations
@@ -24,7 +27,6 @@ from pathlib import Path
 from typing import Callable
 
 HERE = Path(__file__).resolve().parent
-CORE = "armillary.kernels"
 QWEN = "armillary_qwen_gdn_moe"
 
 
@@ -48,20 +50,22 @@ class Sweep:
 
 
 SWEEPS = [
-    Sweep("skinny_gemm.py", [], CORE, "skinny_gemm_table.json", lambda r: r),
-    Sweep("moe_gemv.py", [], CORE, "moe_gemv.json", lambda r: {"fused_moe_gemv": r["table"]} if r.get("table") else {}),
-    Sweep("moe_kernels.py", ["--tune"], CORE, "moe_kernels.json", _moe_tuned),
+    Sweep("skinny_gemm.py", [], QWEN, "skinny_gemm_table.json", lambda r: r),
+    Sweep("moe_gemv.py", [], QWEN, "moe_gemv.json", lambda r: {"fused_moe_gemv": r["table"]} if r.get("table") else {}),
+    Sweep("moe_kernels.py", ["--tune"], QWEN, "moe_kernels.json", _moe_tuned),
     Sweep("gdn_decode_sweep.py", [], QWEN, "gdn_decode_sweep.json",
           lambda r: {"gdn_decode": r["recommended"]["gdn_decode"]} if r.get("recommended") else {}),
 ]
 
 
-def target() -> str:
+def target(generic: bool = False) -> str:
+    """The table this GPU's sweeps go to: ``sm_90_h200`` (``sm_90`` when ``generic``); ``cpu`` without CUDA."""
     import torch
 
-    from armillary.kernels.tuning import device_target
+    from armillary.kernels.tuning import device_targets
 
-    return device_target(torch.device("cuda") if torch.cuda.is_available() else None)
+    names = device_targets(torch.device("cuda") if torch.cuda.is_available() else None)
+    return names[0] if generic else names[-1]
 
 
 def table_path(package: str, name: str) -> Path:
@@ -100,10 +104,11 @@ def main() -> None:
     ap.add_argument("--write", action="store_true", help="overwrite the package tables of this target")
     ap.add_argument("--smoke", action="store_true", help="CPU interpreter runs of the sweeps (checks the plumbing)")
     ap.add_argument("--only", nargs="*", default=None, help="sweep scripts to run (default: all)")
+    ap.add_argument("--generic", action="store_true", help="write the capability's table (sm_90), not this GPU's")
     args = ap.parse_args()
     if args.write and args.smoke:
         ap.error("--write with --smoke would write interpreter timings into the tables")
-    name = target()
+    name = target(args.generic)
     tables: dict[str, dict] = {}
     for sweep in SWEEPS:
         if args.only is not None and sweep.script not in args.only:

@@ -34,7 +34,7 @@ import triton  # noqa: E402
 
 from armillary.kernels.conv1d import causal_conv1d_varlen  # noqa: E402
 from armillary.kernels.norm import gated_rms_norm  # noqa: E402
-from armillary_qwen_gdn_moe.ops.causal_conv1d.varlen import causal_conv1d_prefill  # noqa: E402
+from armillary.kernels.triton.causal_conv1d import causal_conv1d_prefill  # noqa: E402
 from armillary_qwen_gdn_moe.ops.gated_delta_rule import (  # noqa: E402
     chunk_gated_delta_rule_ref,
     recurrent_gated_delta_rule_ref,

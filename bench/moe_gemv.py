@@ -37,6 +37,9 @@ if SMOKE:
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from armillary.kernels.triton.moe import fused_moe, gemv_config_key  # noqa: E402
+from armillary.kernels import tuning  # noqa: E402
+
+tuning.use_packages(("armillary_qwen_gdn_moe",))  # Qwen3.6 shapes: the shipped tables as the served model reads them
 from armillary.kernels.triton.moe_decode import ACT_SILU  # noqa: E402
 from armillary.kernels.triton.moe_gemv import gdc_wait, gemv_down, gemv_up  # noqa: E402
 from moe_kernels import bench_ms  # noqa: E402

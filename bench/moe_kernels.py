@@ -29,6 +29,9 @@ from armillary.kernels import moe as ref_moe  # noqa: E402
 from armillary.kernels import norm as ref_norm  # noqa: E402
 from armillary.kernels.rotary import apply_rotary, rotary_cos_sin, rotary_inv_freq  # noqa: E402
 from armillary.kernels.triton.moe import fused_moe, grouped_config_key  # noqa: E402
+from armillary.kernels import tuning  # noqa: E402
+
+tuning.use_packages(("armillary_qwen_gdn_moe",))  # Qwen3.6 shapes: the shipped tables as the served model reads them
 from armillary.kernels.triton.moe_align import moe_align  # noqa: E402
 from armillary.kernels.triton.moe_routing import topk_softmax  # noqa: E402
 from armillary.kernels.triton.norm import fused_add_rms_norm, rms_norm  # noqa: E402

@@ -30,6 +30,9 @@ if SMOKE:
 import torch.nn.functional as F  # noqa: E402
 
 from armillary.kernels.triton import skinny_gemm as sg  # noqa: E402
+from armillary.kernels import tuning  # noqa: E402
+
+tuning.use_packages(("armillary_qwen_gdn_moe",))  # Qwen3.6 shapes: the shipped tables as the served model reads them
 from armillary.kernels.triton.device_buffers import ticket_buffer  # noqa: E402
 
 DEVICE = "cpu" if SMOKE else "cuda"

@@ -49,7 +49,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from armillary.cuda_graphs import graph_buckets  # noqa: E402
 from armillary.kernels import ops, tuning  # noqa: E402
 from armillary.kernels.triton import paged_attention  # noqa: E402
-from armillary_qwen_gdn_moe.ops.causal_conv1d.varlen import causal_conv1d_prefill  # noqa: E402
+from armillary.kernels.triton.causal_conv1d import causal_conv1d_prefill  # noqa: E402
 from armillary_qwen_gdn_moe.ops.gated_delta_rule.chunk import chunk_gated_delta_rule_slots  # noqa: E402
 from armillary_qwen_gdn_moe.ops.gated_delta_rule.fused_recurrent import fused_gdn_decode  # noqa: E402
 
@@ -286,6 +286,7 @@ def recording(target: Target) -> Iterator[tuple[list[Launch], list[str]]]:
     tuning.device_target = lambda device=None: target.name
     paged_attention._sm_count = lambda device: target.sm_count
     ops.set_backend("triton")
+    tuning.use_packages(("armillary_qwen_gdn_moe",))  # the shape sets are Qwen models: their plugin's tables
     try:
         yield launches, where
     finally:

@@ -1,9 +1,15 @@
 """armillary: an LLM inference server for hybrid open models, with architectures as plugins."""
 from __future__ import annotations
 
+from importlib.metadata import PackageNotFoundError, version
 from typing import TYPE_CHECKING
 
-__all__ = ["LLM", "LLMEngine", "EngineConfig", "SamplingParams", "RequestOutput", "CompletionOutput"]
+try:
+    __version__ = version("armillary")  # the installed distribution's metadata, so it never drifts
+except PackageNotFoundError:  # imported from a bare source tree
+    __version__ = "0+unknown"
+
+__all__ = ["__version__", "LLM", "LLMEngine", "EngineConfig", "SamplingParams", "RequestOutput", "CompletionOutput"]
 
 if TYPE_CHECKING:
     from armillary.config import EngineConfig

@@ -93,6 +93,31 @@ def compile_chat_template(source: str) -> jinja2.Template:
         raise ChatTemplateError(f"chat template does not compile (line {e.lineno}): {e.message}") from e
 
 
+def load_chat_template(value: str) -> str:
+    """``--chat-template``: a template file's text, or the argument itself when it is an inline template.
+
+    As vLLM decides: an argument with Jinja's characters (``{``, ``}`` or a newline) is a template;
+    anything else is a path, and a path that cannot be read is an error (never a one-line template).
+    The template is compiled here, so a broken one fails at start-up.
+    """
+    from pathlib import Path
+
+    if any(c in value for c in "{}\n"):
+        source = value
+    else:
+        path = Path(value).expanduser()
+        try:
+            source = path.read_text(encoding="utf-8")
+        except OSError as exc:
+            raise ChatTemplateError(f"chat template {value!r} looks like a file path but cannot be read "
+                                    f"({exc.strerror or exc}); pass a readable .jinja file or the template text") from None
+    try:
+        compile_chat_template(source)
+    except ChatTemplateError as exc:
+        raise ChatTemplateError(f"--chat-template {value[:60]!r}: {exc}") from None
+    return source
+
+
 def _plain(value: Any) -> Any:
     """Rebuild ``value`` from plain JSON types so the template sees no object with methods of its own."""
     if value is None or type(value) in (str, int, float, bool):

@@ -2,12 +2,20 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # torch is imported where it is used, so `armillary serve` checks its flags in a blink
+    import torch
 
-_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
-           "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-           "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
+# dtype names -> torch attribute names
+_DTYPES = {"float32": "float32", "fp32": "float32", "float": "float32",
+           "bfloat16": "bfloat16", "bf16": "bfloat16",
+           "float16": "float16", "fp16": "float16", "half": "float16"}
+DTYPE_CHOICES = ("auto", *_DTYPES)
+LOAD_FORMATS = ("auto", "dummy")
+KERNEL_BACKENDS = ("auto", "reference", "triton")  # armillary.kernels.ops._BACKENDS
+GENERATION_CONFIG_CHOICES = ("auto", "vllm")  # or a folder holding a generation_config.json
 
 
 @dataclass(slots=True)
@@ -21,7 +29,7 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9
     cpu_kv_cache_space_gb: float = 4.0  # the KV + state budget when running on the CPU
     num_kv_blocks: int | None = None  # override the planner (tests use it to force preemption)
-    enable_prefix_caching: bool = False  # reserved
+    enable_prefix_caching: bool = False  # not implemented yet: validate() refuses True
     dtype: str = "auto"  # auto: the dtype config.json names
     seed: int = 0
     device: str = "auto"  # auto: cuda if available else cpu
@@ -31,16 +39,60 @@ class EngineConfig:
     max_graph_batch: int = 256  # largest decode batch captured in a CUDA graph
     async_scheduling: bool | None = None  # launch the next decode before reading tokens back; None: on CUDA
     revision: str | None = None
+    chat_template: str | None = None  # a .jinja file or inline template: replaces the checkpoint's template
+    generation_config: str = "auto"  # auto: the checkpoint's generation_config.json; vllm: none; or a folder
+    download_dir: str | None = None  # the Hugging Face cache folder to look in (default: HF_HUB_CACHE / HF_HOME)
     plugin_args: dict = field(default_factory=dict)  # values of flags plugins added (armillary_add_cli_args)
 
+    def validate(self) -> None:
+        """Raise ``ValueError`` naming the first field a user set to something that cannot work.
+
+        Cheap (no torch, no files but the ones named), so a server checks its flags before loading.
+        """
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "seed", "max_graph_batch"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < (0 if name == "seed" else 1):
+                raise ValueError(f"{name} must be an integer of at least {0 if name == 'seed' else 1}, not {value!r}")
+        for name in ("max_model_len", "num_kv_blocks"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"{name} must be at least 1, not {value!r}")
+        if self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two, not {self.block_size}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], not {self.gpu_memory_utilization}")
+        if not self.cpu_kv_cache_space_gb > 0:
+            raise ValueError(f"cpu_kv_cache_space_gb must be positive, not {self.cpu_kv_cache_space_gb}")
+        if str(self.dtype).removeprefix("torch.") not in DTYPE_CHOICES:
+            raise ValueError(f"unsupported dtype {self.dtype!r}; choose one of {', '.join(DTYPE_CHOICES)}")
+        for name, choices in (("load_format", LOAD_FORMATS), ("kernel_backend", KERNEL_BACKENDS)):
+            if getattr(self, name) not in choices:
+                raise ValueError(f"{name} must be one of {', '.join(choices)}, not {getattr(self, name)!r}")
+        device = self.device.split(":")
+        if device[0] not in ("auto", "cpu", "cuda") or len(device) > 2 or (
+                len(device) == 2 and (device[0] != "cuda" or not device[1].isdigit())):
+            raise ValueError(f"device must be auto, cpu, cuda or cuda:N, not {self.device!r}")
+        if self.generation_config not in GENERATION_CONFIG_CHOICES:
+            folder = Path(self.generation_config).expanduser()
+            if not (folder / "generation_config.json").is_file():
+                raise ValueError(f"generation_config must be auto, vllm or a folder holding a "
+                                 f"generation_config.json; {str(folder)!r} holds none")
+        if self.enable_prefix_caching:
+            raise ValueError("prefix caching is not implemented yet; it is coming with exact prefix caching on "
+                             "hybrid models (issue 12): drop --enable-prefix-caching")
+
     def torch_device(self) -> torch.device:
+        import torch
+
         if self.device == "auto":
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
         return torch.device(self.device)
 
     def torch_dtype(self, checkpoint_dtype: str | None) -> torch.dtype:
+        import torch
+
         name = self.dtype if self.dtype != "auto" else (checkpoint_dtype or "bfloat16")
         try:
-            return _DTYPES[str(name).removeprefix("torch.")]
+            return getattr(torch, _DTYPES[str(name).removeprefix("torch.")])
         except KeyError:
             raise ValueError(f"unsupported dtype {name!r}; choose one of {sorted(_DTYPES)}") from None

@@ -4,25 +4,62 @@ from __future__ import annotations
 from armillary.hookspecs import hookimpl
 
 _TUNED = [(9, 0), (12, 1)]  # tables in core/kernels/tuning: sm_90 measured, sm_121 untuned guesses
+_REF = "armillary.kernels.reference"
+_TRI = "armillary.kernels.triton.impls"
+
+# interface -> its plain-torch reference (the oracle, the CPU path, the last fallback on a GPU)
+_REFERENCES = {
+    "linear": ("torch_linear", "torch.nn.functional:linear"),
+    "store_kv": ("torch_store_kv", f"{_REF}:store_kv"),
+    "paged_attention_decode": ("torch_paged_attention_decode", f"{_REF}:paged_attention"),
+    "paged_attention_prefill": ("torch_paged_attention_prefill", f"{_REF}:paged_attention"),
+    "qk_norm_rope_store": ("torch_qk_norm_rope_store", f"{_REF}:qk_norm_rope_store"),
+    "rms_norm": ("torch_rms_norm", "armillary.kernels.norm:rms_norm"),
+    "add_rms_norm": ("torch_add_rms_norm", f"{_REF}:add_rms_norm"),
+    "gated_rms_norm": ("torch_gated_rms_norm", "armillary.kernels.norm:gated_rms_norm"),
+    "rotary": ("torch_rotary", "armillary.kernels.rotary:apply_rotary"),
+    "softmax_topk": ("torch_softmax_topk", f"{_REF}:softmax_topk"),
+    "sigmoid_topk": ("torch_sigmoid_topk", f"{_REF}:sigmoid_topk"),
+    "fused_moe": ("torch_fused_moe", "armillary.kernels.moe:fused_moe"),
+    "causal_conv1d": ("torch_causal_conv1d", f"{_REF}:causal_conv1d"),
+}
+# interface -> core's Triton implementation, in the interface's signature (kernels/triton/impls.py)
+_TRITON = {
+    "linear": ("triton_skinny_gemm", "linear"),
+    "store_kv": ("triton_store_kv", "store_kv"),
+    "paged_attention_decode": ("triton_paged_attention_decode", "paged_attention_decode"),
+    "paged_attention_prefill": ("triton_paged_attention_prefill", "paged_attention_prefill"),
+    "qk_norm_rope_store": ("triton_qk_norm_rope_store", "qk_norm_rope_store"),
+    "rms_norm": ("triton_rms_norm", "rms_norm"),
+    "add_rms_norm": ("triton_add_rms_norm", "add_rms_norm"),
+    "gated_rms_norm": ("triton_gated_rms_norm", "gated_rms_norm"),
+    "rotary": ("triton_rotary", "rotary"),
+    "softmax_topk": ("triton_softmax_topk", "softmax_topk"),
+    "sigmoid_topk": ("triton_sigmoid_topk", "sigmoid_topk"),
+    "fused_moe": ("triton_fused_moe", "fused_moe"),
+    "causal_conv1d": ("triton_causal_conv1d", "causal_conv1d"),
+}
+_SUPPORTS = {"linear": f"{_TRI}:supports_linear"}  # per-call checks: the skinny GEMM takes decode-sized rows
 
 
 @hookimpl
 def armillary_register_kernels(registry) -> None:
-    registry.register("torch_paged_attention", "paged_attention", "armillary.kernels.attention:paged_attention")
-    registry.register("torch_rms_norm", "rms_norm", "armillary.kernels.norm:rms_norm")
-    registry.register("torch_rotary", "rotary_embedding", "armillary.kernels.rotary:apply_rotary")
-    registry.register("torch_fused_moe", "fused_moe", "armillary.kernels.moe:fused_moe")
-    registry.register("torch_linear", "linear", "torch.nn.functional:linear")
-    registry.register("sdpa_fresh_prefill", "paged_attention", "armillary.kernels.sdpa_prefill:fresh_prefill_attention")
-    tri = "armillary.kernels.triton"
-    registry.register("triton_paged_attention_decode", "paged_attention",
-                      f"{tri}.paged_attention:paged_attention_decode", targets=_TUNED)
-    registry.register("triton_paged_attention_prefill", "paged_attention",
-                      f"{tri}.paged_attention:paged_attention_prefill", targets=_TUNED)
-    registry.register("triton_rms_norm", "rms_norm", f"{tri}.norm:rms_norm", targets=_TUNED)
-    registry.register("triton_rotary", "rotary_embedding", f"{tri}.rotary:apply_rotary_", targets=_TUNED)
-    registry.register("triton_fused_moe", "fused_moe", f"{tri}.moe:fused_moe", targets=_TUNED)
-    registry.register("triton_moe_gemv", "fused_moe", f"{tri}.moe_gemv:moe_gemv", targets=_TUNED)
-    registry.register("triton_skinny_gemm", "linear", f"{tri}.skinny_gemm:skinny_gemm", targets=_TUNED)
-    registry.register("triton_qk_norm_rope_store", "qk_norm_rope_store", f"{tri}.qk_norm_rope:qk_norm_rope_store",
-                      targets=_TUNED)
+    for interface, (name, impl) in _REFERENCES.items():
+        registry.register(name, interface, impl, kind="reference")
+    for interface, (name, fn) in _TRITON.items():
+        registry.register(name, interface, f"{_TRI}:{fn}", targets=_TUNED, priority=10,
+                          supports=_SUPPORTS.get(interface))
+    registry.register("sdpa_fresh_prefill", "fresh_prefill_attention", "armillary.kernels.sdpa_prefill:fresh_prefill",
+                      supports="armillary.kernels.sdpa_prefill:supports", kind="native")
+
+
+@hookimpl
+def armillary_register_quantizations(registry) -> None:
+    registry.register("unquantized", "armillary.layers.quantization.unquantized:UnquantizedConfig",
+                      description="bf16 / fp16 / fp32 weights as stored")
+
+
+@hookimpl
+def armillary_register_parsers(registry) -> None:
+    registry.register("hermes", "tool", "armillary.parsers.json_tools:HermesToolParser")
+    registry.register("llama3_json", "tool", "armillary.parsers.json_tools:Llama3JsonToolParser")

@@ -52,7 +52,7 @@ class LLMEngine:
         self.registry = registry or default_registry()
         self.registry.hook.armillary_startup(config=config)
         ops.set_backend(config.kernel_backend)
-        self.source = open_model_source(config.model, config.revision, self.registry)
+        self.source = open_model_source(config.model, config.revision, self.registry, config)
         self.model_path = self.source.path
         self.hf_config = self.source.hf_config()
         self.arch = self.registry.resolve_architecture(list(getattr(self.hf_config, "architectures", None) or []))
@@ -103,11 +103,7 @@ class LLMEngine:
     # ---- construction helpers
 
     def _load_tokenizer(self):
-        from armillary.tokenizer import Tokenizer
-
-        if self.config.tokenizer:
-            return Tokenizer.from_pretrained(self.config.tokenizer, self.config.revision)
-        tokenizer = self.source.tokenizer()
+        tokenizer = self.source.tokenizer()  # --tokenizer and --chat-template applied by the ConfiguredSource
         if tokenizer is None:
             log.warning("%s has no tokenizer: prompts must be token ids and outputs carry no text", self.model_path)
         return tokenizer

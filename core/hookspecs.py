@@ -13,7 +13,13 @@ import pluggy
 if TYPE_CHECKING:
     import argparse
 
-    from armillary.registry import ArchitectureRegistry, FormatRegistry, KernelRegistry, ParserRegistry
+    from armillary.registry import (
+        ArchitectureRegistry,
+        FormatRegistry,
+        KernelRegistry,
+        ParserRegistry,
+        QuantizationRegistry,
+    )
 
 PROJECT = "armillary"
 hookspec = pluggy.HookspecMarker(PROJECT)
@@ -38,6 +44,12 @@ def armillary_register_kernels(registry: KernelRegistry) -> None:
 @hookspec
 def armillary_register_model_formats(registry: FormatRegistry) -> None:
     """Add ``FormatSpec`` records: model file formats (e.g. GGUF) and the ``ModelSource`` that opens them."""
+
+
+@hookspec
+def armillary_register_quantizations(registry: QuantizationRegistry) -> None:
+    """Add ``QuantSpec`` records: checkpoint formats by ``quantization_config.quant_method``, each a
+    ``QuantConfig`` class that hands out the ``QuantMethod`` owning a layer's weights and kernels."""
 
 
 @hookspec(firstresult=True)

@@ -48,21 +48,22 @@ def _listing(directory: Path, limit: int = 12) -> str:
     return f"it holds: {shown}"
 
 
-def _from_hf_cache(repo_id: str, revision: str | None) -> Path | None:
+def _from_hf_cache(repo_id: str, revision: str | None, cache: Path) -> Path | None:
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import LocalEntryNotFoundError
 
     try:
-        path = snapshot_download(repo_id, revision=revision, cache_dir=hf_hub_cache_dir(),
-                                 local_files_only=True)
+        path = snapshot_download(repo_id, revision=revision, cache_dir=cache, local_files_only=True)
     except LocalEntryNotFoundError:
         return None
     return Path(path)
 
 
 def resolve_model_path(model: str | Path, revision: str | None = None,
-                       require_config: bool = True) -> Path:
+                       require_config: bool = True, cache_dir: str | Path | None = None) -> Path:
     """A local directory, or a Hugging Face repo id found in the local cache (never downloaded).
+
+    ``cache_dir`` (``--download-dir``) is the hub cache folder to look in instead of the environment's.
 
     Raises ``ModelNotFoundError`` naming the directory and the cache folder it looked in, and when
     ``require_config`` is set, when the directory has no ``config.json``.
@@ -74,15 +75,16 @@ def resolve_model_path(model: str | Path, revision: str | None = None,
     elif local.exists():
         raise ModelNotFoundError(f"model path {str(local)!r} is a file; pass the checkpoint directory")
     elif _is_repo_id(name):
-        cache = hf_hub_cache_dir()
-        found = _from_hf_cache(name, revision)
+        cache = Path(cache_dir).expanduser() if cache_dir is not None else hf_hub_cache_dir()
+        found = _from_hf_cache(name, revision, cache)
         if found is None:
             repo_folder = cache / f"models--{name.replace('/', '--')}"
+            set_by = "--download-dir" if cache_dir is not None else "HF_HUB_CACHE / HF_HOME, or --download-dir"
+            fetch = f"hf download {name}" + (f" --cache-dir {cache}" if cache_dir is not None else "")
             raise ModelNotFoundError(
                 f"model {name!r} not found: no local directory {str(local.absolute())!r}, and no cached "
                 f"snapshot (revision {revision or 'main'}) in the Hugging Face cache {str(repo_folder)!r} "
-                f"(cache set by HF_HUB_CACHE / HF_HOME). armillary does not download: fetch it first, "
-                f"e.g. `hf download {name}`")
+                f"(cache set by {set_by}). armillary does not download: fetch it first, e.g. `{fetch}`")
         path = found
     else:
         raise ModelNotFoundError(

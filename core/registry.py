@@ -7,6 +7,7 @@ are keyed by name and a duplicate name is an error naming both plugins.
 from __future__ import annotations
 
 import importlib
+import logging
 import os
 from dataclasses import dataclass, field
 from importlib.metadata import entry_points
@@ -18,6 +19,8 @@ from armillary import hookspecs
 from armillary.errors import PluginError
 
 DISABLE_ENV = "ARMILLARY_DISABLE_PLUGINS"
+
+log = logging.getLogger("armillary")
 
 
 def import_object(path: str) -> Any:
@@ -62,16 +65,31 @@ class ParserSpec:
 
 @dataclass(slots=True)
 class KernelSpec:
-    """A named implementation of a core kernel interface (e.g. ``paged_attention``)."""
+    """A named implementation of a kernel interface (``armillary.kernels.interfaces``), e.g. ``rms_norm``.
+
+    ``kind``: "reference" (plain torch: the oracle, the CPU path, the last fallback on a GPU),
+    "triton" (runs on CUDA, or in the interpreter under the "triton" backend) or "native" (other
+    device code, e.g. cuDNN SDPA: runs where ``supports`` says). ``supports``: lazy
+    ``"pkg.mod:func"`` answering ``(device, dtype, **shape) -> bool`` (None: always).
+    ``architectures``: () for every architecture, else an override for those arch names only.
+    Dispatch order: ``armillary.kernels.dispatch``.
+    """
 
     name: str
     interface: str
     impl: str
     targets: tuple[tuple[int, int], ...] = ()  # compute capabilities it is tuned for; () = any
     plugin: str = ""
+    priority: int = 0  # higher first among implementations of one rank
+    supports: str | None = None
+    architectures: tuple[str, ...] = ()
+    kind: str = "triton"
 
     def load(self) -> Any:
         return import_object(self.impl)
+
+    def load_supports(self) -> Any:
+        return import_object(self.supports) if self.supports else None
 
 
 @dataclass(slots=True)
@@ -85,6 +103,19 @@ class FormatSpec:
 
     def load(self) -> type:
         return import_object(self.source_cls)
+
+
+@dataclass(slots=True)
+class QuantSpec:
+    """A checkpoint quantization format: ``quantization_config.quant_method`` -> its ``QuantConfig``."""
+
+    name: str  # the ``quant_method`` value of config.json, e.g. "fp8"
+    config_cls: str  # "package.module:Class", an ``armillary.layers.quantization.QuantConfig`` subclass
+    description: str = ""
+    plugin: str = ""
+
+    def load(self) -> type:
+        return import_object(self.config_cls)
 
 
 R = TypeVar("R")
@@ -162,11 +193,26 @@ class ParserRegistry(_Registry[ParserSpec]):
 class KernelRegistry(_Registry[KernelSpec]):
     kind = "kernel"
 
-    def register(self, name: str, interface: str, impl: str, targets=()) -> None:
-        self.add(KernelSpec(name, interface, impl, tuple(tuple(t) for t in targets)))
+    KINDS = ("reference", "triton", "native")
+
+    def register(self, name: str, interface: str, impl: str, targets=(), *, priority: int = 0,
+                 supports: str | None = None, architectures=(), kind: str = "triton") -> None:
+        if kind not in self.KINDS:
+            raise PluginError(f"kernel {name!r}: kind must be one of {self.KINDS}, not {kind!r}")
+        for ref in (impl, supports):
+            if ref is not None and ":" not in ref:
+                raise PluginError(f"kernel {name!r}: lazy reference {ref!r} must look like 'package.module:Name'")
+        if isinstance(architectures, str):
+            architectures = (architectures,)
+        self.add(KernelSpec(name, interface, impl, tuple(tuple(t) for t in targets), priority=int(priority),
+                            supports=supports, architectures=tuple(architectures), kind=kind))
 
     def for_interface(self, interface: str) -> list[KernelSpec]:
         return [k for k in self if k.interface == interface]
+
+    def interfaces(self) -> list[str]:
+        """Every interface some implementation is registered for, in first-registration order."""
+        return list(dict.fromkeys(k.interface for k in self))
 
 
 class FormatRegistry(_Registry[FormatSpec]):
@@ -174,6 +220,13 @@ class FormatRegistry(_Registry[FormatSpec]):
 
     def register(self, name: str, source_cls: str, description: str = "") -> None:
         self.add(FormatSpec(name, source_cls, description))
+
+
+class QuantizationRegistry(_Registry[QuantSpec]):
+    kind = "quantization"
+
+    def register(self, name: str, config_cls: str, description: str = "") -> None:
+        self.add(QuantSpec(name, config_cls, description))
 
 
 @dataclass(slots=True)
@@ -185,6 +238,21 @@ class PluginInfo:
     parsers: list[str] = field(default_factory=list)
     kernels: list[str] = field(default_factory=list)
     formats: list[str] = field(default_factory=list)
+    quantizations: list[str] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class BrokenPlugin:
+    """An installed plugin that failed to import or whose registration hook raised; it was skipped."""
+
+    name: str
+    entry_point: str  # "package.module" as the entry point names it
+    error: str  # "ExceptionType: message"
+    distribution: str = ""
+    version: str = ""
+
+    def describe(self) -> str:
+        return f"{self.name} ({self.entry_point}): {self.error}"
 
 
 class PluginRegistry:
@@ -202,7 +270,9 @@ class PluginRegistry:
         self.parsers = ParserRegistry()
         self.kernels = KernelRegistry()
         self.formats = FormatRegistry()
+        self.quantizations = QuantizationRegistry()
         self.infos: dict[str, PluginInfo] = {}
+        self.broken: dict[str, BrokenPlugin] = {}  # skipped by load_entry_points, with their errors
         from armillary import core_plugin
 
         self.register(core_plugin, "core", distribution="armillary")
@@ -226,6 +296,7 @@ class PluginRegistry:
             ("armillary_register_parsers", self.parsers, info.parsers),
             ("armillary_register_kernels", self.kernels, info.kernels),
             ("armillary_register_model_formats", self.formats, info.formats),
+            ("armillary_register_quantizations", self.quantizations, info.quantizations),
         ):
             before = set(r.name for r in registry)
             for impl in getattr(self.pm.hook, hook).get_hookimpls():
@@ -239,17 +310,38 @@ class PluginRegistry:
             names.extend(sorted(r.name for r in registry if r.name not in before))
 
     def load_entry_points(self) -> None:
+        """Register every installed plugin but the disabled ones. A plugin that fails to import or
+        whose hook raises is skipped with one warning and kept in ``broken``: it never hides the others."""
         blocked = self.disabled()
         for ep in entry_points(group=hookspecs.PROJECT):
-            if ep.name in blocked or ep.name in self.infos:
+            if ep.name in blocked or ep.name in self.infos or ep.name in self.broken:
                 continue
-            try:
-                module = ep.load()
-            except Exception as exc:  # a broken plugin must not hide the others
-                raise PluginError(f"plugin {ep.name!r} ({ep.value}) failed to import: {exc}") from exc
             dist = ep.dist.name if ep.dist is not None else ""
             version = ep.dist.version if ep.dist is not None else ""
-            self.register(module, ep.name, dist, version)
+            stage = "import"
+            try:
+                module = ep.load()
+                stage = "register"
+                self.register(module, ep.name, dist, version)
+            except Exception as exc:
+                self._forget_plugin(ep.name)
+                broken = BrokenPlugin(ep.name, ep.value, f"{type(exc).__name__}: {exc}", dist, version)
+                self.broken[ep.name] = broken
+                what = "failed to import" if stage == "import" else "failed to register"
+                log.warning("plugin %r (%s%s) %s and is skipped: %s; disable it with %s=%s", ep.name, ep.value,
+                            f", {dist} {version}".rstrip() if dist else "", what, broken.error, DISABLE_ENV,
+                            ep.name)
+
+    def _forget_plugin(self, name: str) -> None:
+        """Undo a partial registration: whatever a plugin added before its hook raised."""
+        if self.pm.get_plugin(name) is not None:
+            self.pm.unregister(name=name)
+        self.infos.pop(name, None)
+        for registry in vars(self).values():
+            if isinstance(registry, _Registry):
+                registry._records = {k: r for k, r in registry._records.items()
+                                     if getattr(r, "plugin", "") != name}
+                registry.current_plugin = ""
 
     @property
     def hook(self):
@@ -262,9 +354,11 @@ class PluginRegistry:
                 return spec
         served = sorted(a for s in self.architectures for a in s.hf_architectures)
         plugins = ", ".join(f"{i.name} ({', '.join(i.architectures) or 'no architectures'})" for i in self.infos.values())
+        broken = "".join(f"; broken plugin {b.describe()}" for b in self.broken.values())
+        hint = " (one of the broken plugins may be the one that serves it)" if self.broken else ""
         raise PluginError(
-            f"no installed plugin serves architecture {hf_architectures}; "
-            f"served architectures: {', '.join(served) or 'none'}; installed plugins: {plugins}"
+            f"no installed plugin serves architecture {hf_architectures}{hint}; "
+            f"served architectures: {', '.join(served) or 'none'}; installed plugins: {plugins}{broken}"
         )
 
 

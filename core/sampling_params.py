@@ -68,8 +68,8 @@ class SamplingParams:
             bad(f"max_tokens must be at least 1, got {self.max_tokens}")
         if self.min_tokens < 0:
             bad(f"min_tokens must be non-negative, got {self.min_tokens}")
-        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
-            bad(f"logprobs must be in [0, 20], got {self.logprobs}")
+        if self.logprobs is not None and self.logprobs < 0:  # the server caps it (--max-logprobs)
+            bad(f"logprobs must be 0 or more, got {self.logprobs}")
         if self.structured is not None and self.min_tokens > 0:
             # a complete grammar allows only end-of-sequence, which min_tokens would forbid
             bad("min_tokens cannot be combined with structured output")

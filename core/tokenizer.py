@@ -107,9 +107,10 @@ class Tokenizer:
         self.name_or_path = name_or_path
 
     @classmethod
-    def from_pretrained(cls, path: str | Path, revision: str | None = None) -> Tokenizer:
-        """Load from a checkpoint directory or a cached Hugging Face repo id."""
-        directory = resolve_model_path(path, revision, require_config=False)
+    def from_pretrained(cls, path: str | Path, revision: str | None = None,
+                        cache_dir: str | Path | None = None) -> Tokenizer:
+        """Load from a checkpoint directory or a cached Hugging Face repo id (``cache_dir``: the hub cache)."""
+        directory = resolve_model_path(path, revision, require_config=False, cache_dir=cache_dir)
         file = directory / "tokenizer.json"
         if not file.is_file():
             present = ", ".join(sorted(p.name for p in directory.iterdir())) or "nothing"
@@ -182,6 +183,15 @@ class Tokenizer:
     def chat_template(self) -> str | None:
         """The default template, if the checkpoint has one."""
         return self.chat_templates.get("default")
+
+    def override_chat_template(self, template: str) -> None:
+        """Serve ``template`` (``--chat-template``) for every conversation, with or without tools.
+
+        The checkpoint's other named templates stay selectable by name; its ``tool_use`` template goes,
+        since it would otherwise win over the override whenever a request passes tools.
+        """
+        named = {k: v for k, v in self.chat_templates.items() if k not in ("default", "tool_use")}
+        self.chat_templates = {"default": template, **named}
 
     def get_chat_template(self, tools: Sequence[Mapping[str, Any]] | None = None, name: str | None = None) -> str:
         """The template to render: ``name`` if given, else ``tool_use`` when tools are passed, else ``default``."""

@@ -46,8 +46,11 @@ def _requested_structure(body: CountTokensRequest) -> RequestedStructure | None:
         raise bad_request(str(exc), param=f"{param}.schema") from exc
 
 
-async def _render(state: ServerState, body: CountTokensRequest) -> tuple[RenderedPrompt, list[dict] | None, ToolChoice]:
-    """The prompt for a Messages body, its tools in OpenAI form, and what its tool_choice means."""
+async def _render(state: ServerState, body: CountTokensRequest,
+                  max_model_len: int | None) -> tuple[RenderedPrompt, list[dict] | None, ToolChoice]:
+    """The prompt for a Messages body, its tools in OpenAI form, and what its tool_choice means.
+
+    ``max_model_len``: refuse a prompt that does not fit (None: count only)."""
     tools = anthropic_tools(body.tools)
     choice = anthropic_tool_choice(body.tool_choice, tools)
     if body.thinking is not None:
@@ -58,8 +61,9 @@ async def _render(state: ServerState, body: CountTokensRequest) -> tuple[Rendere
     kwargs = template_kwargs(state.default_template_kwargs, None, enable_thinking=enable_thinking,
                              reasoning_effort=output.effort if output is not None else None)
     messages = anthropic_messages(body.system, body.messages)
+    # rendering and tokenizing a long conversation takes a while: never on the event loop
     prompt = await run_in_threadpool(render_chat, state.tokenizer, messages, tools if choice.parse_tools else None,
-                                     kwargs)
+                                     kwargs, True, max_model_len)
     return prompt, tools, choice
 
 
@@ -71,7 +75,7 @@ def build_router(state: ServerState) -> APIRouter:
         body = parse_body(CountTokensRequest, await read_json(request, state.max_body_bytes))
         state.model_name(body.model)
         state.require_ready()
-        prompt, _, _ = await _render(state, body)
+        prompt, _, _ = await _render(state, body, None)
         return JSONResponse({"input_tokens": len(prompt.token_ids)})
 
     @router.post("/v1/messages")
@@ -79,16 +83,18 @@ def build_router(state: ServerState) -> APIRouter:
         body = parse_body(MessagesRequest, await read_json(request, state.max_body_bytes))
         model = state.model_name(body.model)
         state.require_ready()
-        prompt, tools, choice = await _render(state, body)
-        # the grammar the reply follows: forced or strict tool calls, or a JSON output format
-        structure = state.parsers.reply_structure(prompt.text, tools, choice.constraint, _requested_structure(body))
+        prompt, tools, choice = await _render(state, body, state.max_model_len)
+        # the tool parser and grammar of the reply: forced or strict tool calls, or a JSON output format
+        plan = state.parsers.plan(prompt.text, tools, choice, _requested_structure(body),
+                                  state.enable_auto_tool_choice)
+        structure = plan.structure
         await compile_structure(state.engine.engine, structure)
         stop_sequences = list(body.stop_sequences or [])
         params = build_sampling_params(state.generation_defaults, state.parsers.keep_special_tokens,
                                        max_tokens=body.max_tokens, temperature=body.temperature, top_p=body.top_p,
                                        top_k=body.top_k, stop=stop_sequences,
                                        structured=structure[0] if structure is not None else None)
-        pipeline = state.parsers.pipeline(prompt.text, tools, choice.parse_tools)
+        pipeline = state.parsers.pipeline(prompt.text, tools, plan)
         message_id = new_id("msg_")
         stream = await state.submit(message_id, prompt.token_ids, params)
         if body.stream:

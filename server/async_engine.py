@@ -67,7 +67,8 @@ class RequestStream:
         self.arrival = time.monotonic()
         self.first_output_time: float | None = None
         self.last_output_time: float | None = None
-        self.num_tokens_seen = 0
+        self.num_tokens_seen = 0  # output tokens of every choice so far
+        self.num_prompt_tokens = 0  # known from the first output on
         self.done = False  # the finished output or an error was delivered
         self._queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self._pending_error: BaseException | None = None
@@ -247,6 +248,7 @@ class AsyncEngine:
         num_tokens = sum(len(c.token_ids) for c in out.outputs)
         new_tokens = num_tokens - stream.num_tokens_seen
         stream.num_tokens_seen = num_tokens
+        stream.num_prompt_tokens = len(out.prompt_token_ids)
         first = stream.first_output_time is None
         if first:
             stream.first_output_time = now

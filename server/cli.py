@@ -2,11 +2,13 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import dataclasses
 import json
 import logging
 import os
+import re
 import signal
 import threading
 from collections.abc import Callable, Iterator
@@ -18,6 +20,13 @@ import uvicorn
 from armillary.config import EngineConfig
 from armillary.errors import ArmillaryError
 from armillary.registry import PluginRegistry, default_registry
+from armillary.server.startup_checks import (
+    StartupError,
+    bind_listening_socket,
+    check_parser_names,
+    describe_failure,
+    string_list,
+)
 
 log = logging.getLogger("armillary.server")
 
@@ -40,6 +49,10 @@ _ENGINE_FLAGS: tuple[tuple[str, type | None, str], ...] = (
     ("load_format", str, "auto, or dummy for random weights"),
     ("kernel_backend", str, "auto (Triton on CUDA), reference (plain torch everywhere) or triton"),
     ("max_graph_batch", int, "largest decode batch captured in a CUDA graph"),
+    ("chat_template", str, "a .jinja file or the template text: replaces the checkpoint's chat template"),
+    ("generation_config", str, "auto: sampling defaults from the checkpoint's generation_config.json; "
+                               "vllm: none; or a folder holding a generation_config.json"),
+    ("download_dir", str, "the Hugging Face cache folder to find repo ids in (default: HF_HUB_CACHE / HF_HOME)"),
 )
 
 
@@ -60,6 +73,13 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _string_list(text: str) -> list[str]:
+    try:
+        return string_list(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def add_serve_args(parser: argparse.ArgumentParser, registry: PluginRegistry | None = None) -> None:
     """``armillary serve [MODEL] [--model MODEL] ...`` plus what plugins add (``armillary_add_cli_args``)."""
     parser.add_argument("model_positional", nargs="?", metavar="MODEL",
@@ -78,7 +98,24 @@ def add_serve_args(parser: argparse.ArgumentParser, registry: PluginRegistry | N
     net.add_argument("--reasoning-parser", help="reasoning parser name, or 'none' (default: the model's)")
     net.add_argument("--default-chat-template-kwargs", type=_json_object, default={},
                      help='JSON object of chat template variables, e.g. \'{"enable_thinking": false}\'')
+    net.add_argument("--enable-auto-tool-choice", action="store_true",
+                     help="accepted as in vLLM: the model may call tools on its own (tool_choice auto)")
+    net.add_argument("--max-logprobs", type=int, default=20,
+                     help="the most logprobs / top_logprobs a request may ask for")
+    net.add_argument("--trust-remote-code", action="store_true",
+                     help="accepted for vLLM compatibility; armillary never runs code shipped with a checkpoint")
+    net.add_argument("--allowed-origins", type=_string_list, metavar="ORIGINS",
+                     help='CORS: origins browsers may call from, JSON list or comma-separated (e.g. \'["*"]\'); '
+                          "default: no CORS headers")
+    net.add_argument("--allowed-methods", type=_string_list, default=["*"], metavar="METHODS",
+                     help="CORS: allowed methods (default: all)")
+    net.add_argument("--allowed-headers", type=_string_list, default=["*"], metavar="HEADERS",
+                     help="CORS: allowed request headers (default: all)")
+    net.add_argument("--allow-credentials", action="store_true", help="CORS: allow credentials")
     net.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    net.add_argument("--disable-log-stats", action="store_true", help="no throughput line while busy")
+    net.add_argument("--log-stats-interval", type=float, default=10.0, metavar="SECONDS",
+                     help="seconds between throughput lines while busy")
     eng = parser.add_argument_group("engine")
     for dest, kind, help_text in _ENGINE_FLAGS:
         eng.add_argument("--" + dest.replace("_", "-"), dest=dest, type=kind, help=help_text)
@@ -86,12 +123,18 @@ def add_serve_args(parser: argparse.ArgumentParser, registry: PluginRegistry | N
     eng.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                      help="launch the next decode step before reading the last one's tokens (default: on CUDA)")
     eng.add_argument("--enable-prefix-caching", action="store_true", default=None,
-                     help="reuse KV blocks and state snapshots of shared prompt prefixes")
+                     help="not implemented yet: refused at start-up (coming with exact prefix caching)")
     before = {action.dest for action in parser._actions}
     try:
-        (registry or default_registry()).hook.armillary_add_cli_args(parser=parser)
+        impls = (registry or default_registry()).hook.armillary_add_cli_args.get_hookimpls()
     except ArmillaryError as exc:  # a broken plugin must not break --help; serving reports it again
         log.warning("plugin flags unavailable: %s", exc)
+        impls = []
+    for impl in impls:
+        try:
+            impl.function(parser=parser)
+        except Exception as exc:  # one plugin's flags failing must not hide the others' (or --help)
+            log.warning("plugin %r could not add its flags: %s: %s", impl.plugin_name, type(exc).__name__, exc)
     parser.set_defaults(plugin_arg_names=sorted({action.dest for action in parser._actions} - before))
 
 
@@ -115,9 +158,11 @@ def _setup_logging(level: str) -> None:
 class _Server(uvicorn.Server):
     """uvicorn that aborts in-flight requests on SIGINT / SIGTERM and exits normally afterwards."""
 
-    def __init__(self, config: uvicorn.Config, on_signal: Callable[[], None]) -> None:
+    def __init__(self, config: uvicorn.Config, on_signal: Callable[[], None], throughput: Any = None) -> None:
         super().__init__(config)
         self._on_signal = on_signal
+        self._throughput = throughput  # ThroughputLog: its task runs on uvicorn's loop
+        self._throughput_task: asyncio.Task | None = None
 
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
@@ -144,17 +189,68 @@ class _Server(uvicorn.Server):
             host, port = self.servers[0].sockets[0].getsockname()[:2]
             shown = f"[{host}]" if ":" in host else host
             log.info("listening on http://%s:%d", shown, port)
+            if self._throughput is not None:
+                self._throughput_task = asyncio.get_running_loop().create_task(self._throughput.run())
+
+    async def shutdown(self, sockets: Any = None) -> None:
+        if self._throughput_task is not None:
+            self._throughput_task.cancel()
+        await super().shutdown(sockets)
+
+
+def _report(model: str, exc: BaseException) -> int:
+    """A start-up failure: one line and a hint for a user's mistake, the traceback for a bug."""
+    described = describe_failure(exc)
+    if described is None:
+        log.error("cannot serve %s: an internal error (please report it)", model, exc_info=exc)
+        return 1
+    message, hint = described
+    log.error("cannot serve %s: %s", model, message)
+    if hint:
+        log.error("hint: %s", hint)
+    return 1
+
+
+def _check_server_flags(args: argparse.Namespace) -> None:
+    if args.max_logprobs < 0:
+        raise StartupError(f"--max-logprobs must be 0 or more, not {args.max_logprobs}")
+    if not args.log_stats_interval > 0:
+        raise StartupError(f"--log-stats-interval must be positive, not {args.log_stats_interval}")
+
+
+def _validate(config: EngineConfig) -> None:
+    """``EngineConfig.validate`` with its field names said as the flags that set them."""
+    try:
+        config.validate()
+    except ValueError as exc:
+        fields = "|".join(f.name for f in dataclasses.fields(EngineConfig))
+        message = re.sub(rf"\b({fields})\b(?!\.json)", lambda m: "--" + m.group(1).replace("_", "-"), str(exc))
+        raise StartupError(message) from None
+
+
+def _cors(args: argparse.Namespace):
+    from armillary.server.app import CORSSettings
+
+    if args.allowed_origins is None:
+        return None
+    return CORSSettings(args.allowed_origins, args.allowed_methods, args.allowed_headers, args.allow_credentials)
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    from armillary.engine import LLMEngine
-    from armillary.server.app import build_app
-    from armillary.server.async_engine import AsyncEngine
-    from armillary.server.metrics import ServerMetrics
-    from armillary.server.parsing import ParserSetup
-    from armillary.server.state import ServerState
-
     _setup_logging(args.log_level)
+    model = args.model_option or args.model_positional or "the default model"
+    try:  # everything a user can get wrong is found here, in a second, before anything loads
+        _check_server_flags(args)
+        sock = bind_listening_socket(args.host, args.port)
+    except StartupError as exc:
+        return _report(model, exc)
+    try:
+        return _serve(args, sock)
+    finally:
+        sock.close()
+
+
+def _serve(args: argparse.Namespace, sock) -> int:
     model = args.model_option or args.model_positional
     try:
         registry = default_registry()
@@ -166,17 +262,39 @@ def run_serve(args: argparse.Namespace) -> int:
             log.info("no model named: serving the default model %s", model)
             if not args.served_model_name:  # clients name it by its model name, not its file path
                 args.served_model_name = [Path(model).name.split(".")[0]]
-    except ArmillaryError as exc:
-        log.error("%s", exc)
-        return 1
+        config = engine_config(args, model)
+        _validate(config)
+        if config.chat_template is not None:
+            from armillary.chat_template import load_chat_template
+
+            load_chat_template(config.chat_template)  # a missing file or a broken template fails now
+        check_parser_names(registry, args.tool_call_parser, args.reasoning_parser)
+    except Exception as exc:
+        return _report(model or "the default model", exc)
     plugins = ", ".join(f"{i.name} {i.version}".strip() + (f" ({', '.join(i.architectures)})" if i.architectures else "")
                         for i in registry.infos.values())
     log.info("plugins found: %s", plugins)
+    if registry.broken:
+        log.warning("broken plugins skipped: %s", ", ".join(registry.broken))
+    if args.trust_remote_code:
+        log.info("--trust-remote-code: accepted; armillary never runs code shipped with a checkpoint "
+                 "(architectures come from installed plugins)")
     api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
     if api_key is None:
         log.warning("no API key set (--api-key or $%s): the server answers anyone who can reach %s:%d",
                     API_KEY_ENV, args.host, args.port)
-    config = engine_config(args, model)
+    return _load_and_serve(args, model, config, registry, api_key, sock)
+
+
+def _load_and_serve(args: argparse.Namespace, model: str, config: EngineConfig, registry: PluginRegistry,
+                    api_key: str | None, sock) -> int:
+    from armillary.engine import LLMEngine
+    from armillary.server.app import build_app
+    from armillary.server.async_engine import AsyncEngine
+    from armillary.server.metrics import ServerMetrics, ThroughputLog
+    from armillary.server.parsing import ParserSetup
+    from armillary.server.state import ServerState
+
     log.info("loading %s", model)
     engine = AsyncEngine(lambda: LLMEngine(config, registry), max_queue_size=args.max_queue_size)
     metrics = ServerMetrics(engine.stats)
@@ -187,26 +305,25 @@ def run_serve(args: argparse.Namespace) -> int:
         loaded = engine.engine
         parsers = ParserSetup.resolve(registry, loaded.arch, loaded.tokenizer, args.tool_call_parser,
                                       args.reasoning_parser)
+        parsers.check_auto_tool_choice(args.enable_auto_tool_choice)
     except KeyboardInterrupt:
         log.info("interrupted while loading")
         return 0
-    except (ArmillaryError, OSError, ValueError) as exc:  # what a user can fix: say it in one line
-        log.error("cannot serve %s: %s", model, exc)
+    except Exception as exc:
         engine.shutdown(timeout=5)
-        return 1
-    except Exception:
-        log.exception("cannot serve %s", model)
-        engine.shutdown(timeout=5)
-        return 1
+        return _report(model, exc)
     log.info("parsers: %s", parsers.describe())
     state = ServerState(engine, list(args.served_model_name or [model]), parsers, metrics, api_key,
-                        dict(args.default_chat_template_kwargs), args.max_request_body_bytes)
-    app = build_app(state)
-    server = _Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning", access_log=False,
-                                    lifespan="off", timeout_graceful_shutdown=10), on_signal=engine.begin_shutdown)
+                        dict(args.default_chat_template_kwargs), args.max_request_body_bytes,
+                        max_logprobs=args.max_logprobs, enable_auto_tool_choice=args.enable_auto_tool_choice)
+    app = build_app(state, _cors(args))
+    throughput = None if args.disable_log_stats else ThroughputLog(metrics, args.log_stats_interval)
+    server = _Server(uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off",
+                                    timeout_graceful_shutdown=10), on_signal=engine.begin_shutdown,
+                     throughput=throughput)
     try:
-        server.run()
-    except SystemExit as exc:  # uvicorn exits when it cannot bind
+        server.run(sockets=[sock])
+    except SystemExit as exc:  # uvicorn exits when it cannot serve
         engine.shutdown(timeout=5)
         return int(exc.code or 1)
     engine.shutdown(timeout=10)

@@ -1,6 +1,9 @@
-"""Prometheus metrics: HTTP requests by status, tokens, latency histograms, engine pool gauges."""
+"""Prometheus metrics: HTTP requests by status, tokens, latency histograms, engine pool gauges; the throughput log line."""
 from __future__ import annotations
 
+import asyncio
+import logging
+import time
 from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
@@ -8,6 +11,8 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+log = logging.getLogger("armillary.server")
 
 _TTFT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0,
                  80.0)
@@ -17,7 +22,7 @@ _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05
 # The routes a client may call; anything else is counted as "other" to bound label cardinality.
 KNOWN_ROUTES = frozenset({
     "/v1/models", "/v1/chat/completions", "/v1/completions", "/v1/messages", "/v1/messages/count_tokens",
-    "/health", "/metrics", "/tokenize", "/detokenize",
+    "/health", "/metrics", "/tokenize", "/detokenize", "/version",
 })
 
 
@@ -71,12 +76,16 @@ class ServerMetrics:
                                              "Between consecutive output tokens of one sequence",
                                              buckets=_ITL_BUCKETS, registry=self.registry)
         self.registry.register(_EngineCollector(stats))
+        self.stats = stats
+        self.total_prompt_tokens = 0  # plain totals for the throughput log (event-loop side)
+        self.total_generation_tokens = 0
 
     # ---- AsyncEngine observer interface
 
     def first_output(self, seconds: float, prompt_tokens: int) -> None:
         self.time_to_first_token.observe(seconds)
         self.prompt_tokens.inc(prompt_tokens)
+        self.total_prompt_tokens += prompt_tokens
 
     def inter_token(self, seconds: float, tokens: int) -> None:
         for _ in range(tokens):
@@ -84,6 +93,7 @@ class ServerMetrics:
 
     def tokens_generated(self, count: int) -> None:
         self.generation_tokens.inc(count)
+        self.total_generation_tokens += count
 
     def request_finished(self, reason: str) -> None:
         self.requests_finished.labels(finish_reason=reason).inc()
@@ -98,3 +108,42 @@ class ServerMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class ThroughputLog:
+    """Every ``interval`` seconds while the server is busy, one line as vLLM logs it: prompt and
+    generation tokens per second over the interval, running / waiting requests, KV cache usage."""
+
+    def __init__(self, metrics: ServerMetrics, interval: float = 10.0) -> None:
+        self.metrics = metrics
+        self.interval = interval
+        self._last = (time.monotonic(), 0, 0)
+
+    def line(self, now: float | None = None) -> str | None:
+        """The line for the interval ending ``now``, or None when nothing ran in it."""
+        now = time.monotonic() if now is None else now
+        then, prompt0, gen0 = self._last
+        m = self.metrics
+        prompt, gen = m.total_prompt_tokens - prompt0, m.total_generation_tokens - gen0
+        self._last = (now, m.total_prompt_tokens, m.total_generation_tokens)
+        s = m.stats()
+        running, waiting = s.get("num_running", 0), s.get("num_waiting", 0)
+        if not (prompt or gen or running or waiting):
+            return None
+        elapsed = max(now - then, 1e-9)
+        blocks, used = s.get("kv_blocks_total", 0), s.get("kv_blocks_used", 0)
+        text = (f"throughput: prompt {prompt / elapsed:.1f} tokens/s, generation {gen / elapsed:.1f} tokens/s; "
+                f"running {running}, waiting {waiting}; KV cache {100 * used / blocks if blocks else 0:.1f}% used "
+                f"({used}/{blocks} blocks)")
+        if s.get("state_slots_total"):
+            text += f", state slots {s.get('state_slots_used', 0)}/{s['state_slots_total']}"
+        return text
+
+    async def run(self) -> None:
+        """Log forever (cancel the task to stop)."""
+        self._last = (time.monotonic(), self.metrics.total_prompt_tokens, self.metrics.total_generation_tokens)
+        while True:
+            await asyncio.sleep(self.interval)
+            text = self.line()
+            if text is not None:
+                log.info("%s", text)

@@ -15,6 +15,8 @@ from armillary.parsers.base import ParserPipeline
 from armillary.server import openai_render as render
 from armillary.server.errors import bad_request, not_supported, openai_error_body
 from armillary.server.prompts import (
+    context_length_error,
+    encode_prompt,
     openai_messages,
     openai_tool_choice,
     openai_tools,
@@ -23,7 +25,15 @@ from armillary.server.prompts import (
 )
 from armillary.server.protocol_openai import ChatCompletionRequest, CompletionRequest, SamplingFields
 from armillary.server.async_engine import RequestStream
-from armillary.server.sampling import RequestedStructure, build_sampling_params, compile_structure, requested_structure
+from armillary.server.sampling import (
+    RequestedStructure,
+    build_sampling_params,
+    check_logprobs,
+    compile_structure,
+    output_budget,
+    refuse_prompt_logprobs,
+    requested_structure,
+)
 from armillary.server.state import ServerState, engine_error, new_id, parse_body, read_json
 from armillary.server.streaming import (
     SSE_DONE,
@@ -41,6 +51,7 @@ def _common_checks(body: SamplingFields) -> None:
         raise not_supported("logit_bias", param="logit_bias")
     if body.n < 1:
         raise bad_request(f"n must be at least 1, got {body.n}", param="n")
+    refuse_prompt_logprobs(body)
 
 
 def _sampling(state: ServerState, body: SamplingFields, max_tokens: int | None, logprobs: int | None,
@@ -115,21 +126,25 @@ def build_router(state: ServerState) -> APIRouter:
         _common_checks(body)
         if body.top_logprobs is not None and not body.logprobs:
             raise bad_request("top_logprobs needs logprobs: true", param="top_logprobs")
+        check_logprobs(body.top_logprobs, state.max_logprobs, "top_logprobs")
         tools = openai_tools(body.tools)
         choice = openai_tool_choice(body.tool_choice, tools, body.parallel_tool_calls)
-        parse_tools = choice.parse_tools
         requested = requested_structure(body)
         kwargs = template_kwargs(state.default_template_kwargs, body.chat_template_kwargs,
                                  reasoning_effort=body.reasoning_effort)
         messages = openai_messages(body.messages)
-        prompt = await run_in_threadpool(render_chat, state.tokenizer, messages, tools if parse_tools else None,
-                                         kwargs, body.add_generation_prompt)
-        max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        # rendering and tokenizing a long conversation takes a while: never on the event loop
+        prompt = await run_in_threadpool(render_chat, state.tokenizer, messages,
+                                         tools if choice.parse_tools else None, kwargs, body.add_generation_prompt,
+                                         state.max_model_len)
+        requested_max = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        max_tokens = output_budget(requested_max, state.generation_defaults, state.max_model_len,
+                                   len(prompt.token_ids))
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
-        structure = state.parsers.reply_structure(prompt.text, tools, choice.constraint, requested)
-        await compile_structure(state.engine.engine, structure)
-        params = _sampling(state, body, max_tokens, logprobs, structure)
-        pipelines = [state.parsers.pipeline(prompt.text, tools, parse_tools) for _ in range(body.n)]
+        plan = state.parsers.plan(prompt.text, tools, choice, requested, state.enable_auto_tool_choice)
+        await compile_structure(state.engine.engine, plan.structure)
+        params = _sampling(state, body, max_tokens, logprobs, plan.structure)
+        pipelines = [state.parsers.pipeline(prompt.text, tools, plan) for _ in range(body.n)]
         request_id = new_id("chatcmpl-")
         head = render.ResponseHeader(request_id, int(time.time()), model)
         stream = await state.submit(request_id, prompt.token_ids, params)
@@ -163,11 +178,15 @@ def build_router(state: ServerState) -> APIRouter:
             raise not_supported("echo with logprobs (prompt logprobs)", param="echo")
         if body.best_of is not None and body.best_of != body.n:
             raise not_supported("best_of other than n", param="best_of")
+        check_logprobs(body.logprobs, state.max_logprobs, "logprobs")
         prompts = _prompt_list(body.prompt)
-        token_prompts = [_prompt_ids(state, p, i) for i, p in enumerate(prompts)]
+        token_prompts = await run_in_threadpool(_prompt_ids, state, prompts)
         structure = requested_structure(body)
         await compile_structure(state.engine.engine, structure)
-        params = _sampling(state, body, body.max_tokens, body.logprobs, structure)
+        # null max_tokens: the rest of the context (of the longest prompt, when a default caps it)
+        max_tokens = output_budget(body.max_tokens, state.generation_defaults, state.max_model_len,
+                                   max(len(ids) for ids in token_prompts))
+        params = _sampling(state, body, max_tokens, body.logprobs, structure)
         echoes = [_echo_text(state, p, ids) if body.echo else "" for p, ids in zip(prompts, token_prompts)]
         request_id = new_id("cmpl-")
         streams: list[RequestStream] = []
@@ -210,15 +229,23 @@ def _prompt_list(prompt: str | list) -> list[str | list[int]]:
     return list(prompt)
 
 
-def _prompt_ids(state: ServerState, prompt: str | list[int], index: int) -> list[int]:
-    if isinstance(prompt, list):
-        return prompt
-    if state.tokenizer is None:
-        raise bad_request("this model has no tokenizer: give the prompt as token ids", param="prompt")
-    ids = state.tokenizer.encode(prompt, add_special_tokens=True)
-    if not ids:
-        raise bad_request(f"prompt {index} is empty", param="prompt")
-    return ids
+def _prompt_ids(state: ServerState, prompts: list[str | list[int]]) -> list[list[int]]:
+    """Each prompt's token ids, refusing one that leaves no room to generate (blocking: a worker thread)."""
+    out = []
+    for index, prompt in enumerate(prompts):
+        if isinstance(prompt, list):
+            if len(prompt) >= state.max_model_len:
+                raise context_length_error(f"prompt {index} has {len(prompt)} tokens; this model's maximum context "
+                                           f"length is {state.max_model_len}, prompt and output together", "prompt")
+            out.append(prompt)
+            continue
+        if state.tokenizer is None:
+            raise bad_request("this model has no tokenizer: give the prompt as token ids", param="prompt")
+        ids = encode_prompt(state.tokenizer, prompt, True, state.max_model_len, "prompt")
+        if not ids:
+            raise bad_request(f"prompt {index} is empty", param="prompt")
+        out.append(ids)
+    return out
 
 
 def _echo_text(state: ServerState, prompt: str | list[int], ids: list[int]) -> str:

@@ -1,11 +1,12 @@
 """Both protocols' conversations -> chat-template messages -> prompt text and token ids."""
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from armillary.server.errors import bad_request, not_supported
+from armillary.server.errors import APIError, bad_request, not_supported
 from armillary.structured.spec import ToolCallConstraint
 from armillary.server.protocol_anthropic import (
     DocumentBlock,
@@ -44,16 +45,49 @@ def template_kwargs(server_defaults: dict[str, Any], request_kwargs: dict[str, A
 
 
 def render_chat(tokenizer: Any, messages: list[dict], tools: list[dict] | None, kwargs: dict[str, Any],
-                add_generation_prompt: bool = True) -> RenderedPrompt:
-    """Apply the checkpoint's chat template and tokenize (the template writes any BOS itself).
+                add_generation_prompt: bool = True, max_model_len: int | None = None) -> RenderedPrompt:
+    """Apply the checkpoint's chat template and tokenize (the template writes any BOS itself). Blocking: run it
+    on a worker thread.
 
-    ``InvalidRequestError`` from the template (bad roles, ``raise_exception``) propagates as a 400.
+    ``max_model_len``: refuse a prompt that does not fit (``context_length_exceeded``), before
+    tokenizing when its length alone proves it. ``InvalidRequestError`` from the template (bad
+    roles, ``raise_exception``) propagates as a 400.
     """
     if tokenizer is None:
         raise bad_request("this model has no tokenizer and so no chat template; use /v1/completions with token ids")
     text = tokenizer.apply_chat_template(messages, tools=tools or None, add_generation_prompt=add_generation_prompt,
                                          **kwargs)
-    return RenderedPrompt(text, tokenizer.encode(text, add_special_tokens=False))
+    return RenderedPrompt(text, encode_prompt(tokenizer, text, False, max_model_len, "messages"))
+
+
+def encode_prompt(tokenizer: Any, text: str, add_special_tokens: bool, max_model_len: int | None,
+                  param: str | None) -> list[int]:
+    """Tokenize a prompt (blocking); with ``max_model_len``, a prompt that leaves no room to generate is a 400."""
+    if max_model_len is not None and len(text) > max_model_len * max_chars_per_token(tokenizer):
+        raise context_length_error(f"the prompt has {len(text)} characters, so more tokens than this model's maximum "
+                                   f"context length of {max_model_len}", param)
+    ids = tokenizer.encode(text, add_special_tokens=add_special_tokens)
+    if max_model_len is not None and len(ids) >= max_model_len:
+        raise context_length_error(f"the prompt has {len(ids)} tokens; this model's maximum context length is "
+                                   f"{max_model_len}, prompt and output together", param)
+    return ids
+
+
+def context_length_error(message: str, param: str | None) -> APIError:
+    return APIError(400, message, param=param, code="context_length_exceeded")
+
+
+@functools.lru_cache(maxsize=8)
+def max_chars_per_token(tokenizer: Any) -> int:
+    """A bound on the characters one token stands for, so ``characters > bound × tokens`` proves a prompt too long.
+
+    A token's text is at most its vocabulary entry (byte-level entries hold one character per
+    byte); the factor 4 and the floor of 128 cover normalizers that shorten text (NFC joins up to
+    three code points) and unknown-word tokens.
+    """
+    vocab = tokenizer.backend.get_vocab(with_added_tokens=True)
+    longest = max((len(token) for token in vocab), default=1)
+    return max(4 * longest, 128)
 
 
 # ---- OpenAI

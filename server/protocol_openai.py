@@ -91,11 +91,12 @@ class SamplingFields(_Lenient):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    prompt_logprobs: int | None = None  # vLLM's; refused until the engine computes them
 
 
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = None
+    max_tokens: int | None = None  # unset (with max_completion_tokens): up to the rest of the context
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
@@ -109,7 +110,7 @@ class ChatCompletionRequest(SamplingFields):
 
 class CompletionRequest(SamplingFields):
     prompt: str | list[int] | list[str] | list[list[int]]
-    max_tokens: int | None = 16
+    max_tokens: int | None = 16  # the legacy API's default; null: up to the rest of the context
     logprobs: int | None = None
     echo: bool = False
     suffix: str | None = None

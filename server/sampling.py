@@ -9,7 +9,7 @@ from starlette.concurrency import run_in_threadpool
 
 from armillary.errors import InvalidRequestError
 from armillary.sampling_params import SamplingParams
-from armillary.server.errors import bad_request
+from armillary.server.errors import bad_request, not_supported
 from armillary.structured.spec import StructuredSpec
 
 # generation_config.json keys that fill a field the request left unset.
@@ -18,20 +18,52 @@ _DEFAULTABLE = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", 
 
 
 def build_sampling_params(generation_defaults: dict[str, Any], keep_special_tokens: bool = False,
-                          **fields: Any) -> SamplingParams:
+                          max_tokens: int | None = None, **fields: Any) -> SamplingParams:
     """``fields`` are ``SamplingParams`` arguments; None means "not given by the request".
 
-    Unset sampling knobs take generation_config.json's value when it has one, else
-    ``SamplingParams``' default. ``keep_special_tokens`` forces ``skip_special_tokens=False`` so
-    parsers see markup that the tokenizer marks special. Raises ``InvalidRequestError``.
+    ``max_tokens``: None generates up to the rest of the context (see ``output_budget``). Unset
+    sampling knobs take generation_config.json's value when it has one, else ``SamplingParams``'
+    default. ``keep_special_tokens`` forces ``skip_special_tokens=False`` so parsers see markup
+    that the tokenizer marks special. Raises ``InvalidRequestError``.
     """
     given = {k: v for k, v in fields.items() if v is not None}
+    given["max_tokens"] = max_tokens
     for key in _DEFAULTABLE:
         if key not in given and generation_defaults.get(key) is not None:
             given[key] = generation_defaults[key]
     if keep_special_tokens:
         given["skip_special_tokens"] = False
     return SamplingParams(**given)
+
+
+def output_budget(requested: int | None, generation_defaults: dict[str, Any], max_model_len: int,
+                  prompt_tokens: int) -> int | None:
+    """The ``max_tokens`` of a request, as vLLM: the request's own; else generation_config.json's
+    ``max_new_tokens`` within the room the prompt leaves; else None, the rest of the context."""
+    if requested is not None:
+        return requested
+    default = generation_defaults.get("max_new_tokens")
+    room = max_model_len - prompt_tokens
+    if isinstance(default, int) and default > 0 and room > 0:
+        return min(default, room)
+    return None
+
+
+def check_logprobs(value: int | None, limit: int, param: str) -> None:
+    """``logprobs`` / ``top_logprobs`` within ``--max-logprobs``."""
+    if value is None:
+        return
+    if value < 0:
+        raise bad_request(f"{param} must be 0 or more, got {value}", param=param)
+    if value > limit:
+        raise bad_request(f"{param} is {value}, over this server's limit of {limit} (--max-logprobs {limit})",
+                          param=param)
+
+
+def refuse_prompt_logprobs(body: Any) -> None:
+    """vLLM's ``prompt_logprobs``: not computed by this engine yet, so asked for it is a 400, never ignored."""
+    if getattr(body, "prompt_logprobs", None) is not None:
+        raise not_supported("prompt_logprobs (log-probabilities of the prompt tokens)", param="prompt_logprobs")
 
 
 # ---- structured output

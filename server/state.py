@@ -11,6 +11,7 @@ from pydantic import BaseModel, ValidationError
 from starlette.requests import Request
 
 from armillary.errors import InvalidRequestError
+from armillary.server.access_log import note_stream
 from armillary.server.async_engine import (
     AsyncEngine,
     EngineDeadError,
@@ -36,6 +37,8 @@ class ServerState:
     api_key: str | None = None
     default_template_kwargs: dict[str, Any] = field(default_factory=dict)
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    max_logprobs: int = 20  # --max-logprobs: the most logprobs / top_logprobs a request may ask for
+    enable_auto_tool_choice: bool = False  # --enable-auto-tool-choice (vLLM's flag)
     created: int = field(default_factory=lambda: int(time.time()))
 
     @property
@@ -68,13 +71,15 @@ class ServerState:
         """``AsyncEngine.submit`` with engine refusals mapped onto API errors."""
         self.require_ready()
         try:
-            return await self.engine.submit(request_id, prompt, params)
+            stream = await self.engine.submit(request_id, prompt, params)
         except InvalidRequestError as exc:
             raise bad_request(str(exc)) from exc
         except EngineOverloadedError as exc:
             raise overloaded(f"the server is overloaded: {exc}; retry later") from exc
         except (EngineUnavailableError, EngineDeadError) as exc:
             raise APIError(503, str(exc), code="unavailable", headers={"Retry-After": "5"}) from exc
+        note_stream(stream)  # its tokens and first output go into this request's access line
+        return stream
 
     def require_ready(self) -> None:
         if not self.engine.ready:

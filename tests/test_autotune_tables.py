@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 spec = importlib.util.spec_from_file_location("autotune", ROOT / "bench" / "autotune.py")
@@ -25,11 +26,18 @@ def test_merge_replaces_swept_kernels_and_keeps_the_rest():
     assert json.loads(autotune.render(merged)) == merged
 
 
-@pytest.mark.parametrize("path", sorted((ROOT / "core" / "kernels" / "tuning").glob("sm_90.json"))
-                         + sorted((ROOT / "plugins").glob("*/*/tuning/sm_90.json")), ids=str)
+@pytest.mark.parametrize("path", sorted((ROOT / "core" / "kernels" / "tuning").glob("sm_90*.json"))
+                         + sorted((ROOT / "plugins").glob("*/*/tuning/sm_90*.json")), ids=str)
 def test_checked_in_tables_are_in_the_written_layout(path):
     text = path.read_text()
     assert autotune.render(json.loads(text)) == text
+
+
+def test_sweeps_write_the_plugin_tables_of_this_gpu():
+    """The sweeps time Qwen3.6 shapes: their entries go to the plugin's tables, never core's."""
+    assert {sweep.package for sweep in autotune.SWEEPS} == {"armillary_qwen_gdn_moe"}
+    if not torch.cuda.is_available():
+        assert autotune.target() == autotune.target(generic=True) == "cpu"  # no GPU name off CUDA
 
 
 def test_moe_tune_results_become_table_entries():

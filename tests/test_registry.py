@@ -39,8 +39,8 @@ def make_plugin(name: str, archs=(), parsers=(), kernels=()):
 def test_core_defaults_are_a_plugin():
     reg = PluginRegistry()
     assert "core" in reg.infos
-    assert "torch_paged_attention" in reg.kernels
-    assert reg.kernels.get("torch_paged_attention").plugin == "core"
+    assert "torch_paged_attention_decode" in reg.kernels
+    assert reg.kernels.get("torch_paged_attention_decode").plugin == "core"
 
 
 def test_register_records_owner_and_lookup():
@@ -111,7 +111,7 @@ def test_armillary_plugins_command_lists_qwen():
     for arch in ("Qwen3NextForCausalLM", "Qwen3_5MoeForConditionalGeneration", "Qwen3_5ForCausalLM"):
         assert arch in out
     assert "parser qwen3_coder (tool)" in out
-    assert "kernel torch_paged_attention" in out
+    assert "kernel torch_paged_attention_decode" in out
 
 
 def test_every_registered_name_resolves():

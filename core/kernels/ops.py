@@ -1,39 +1,73 @@
-"""The kernel interfaces models call: Triton on CUDA, the plain-torch references elsewhere.
+"""The kernel calls models make, each through the process's dispatch table (``armillary.kernels.dispatch``).
 
-``set_backend("reference")`` forces the references on CUDA too (the oracle for fast-path tests;
-the engine then runs eagerly, since the reference paths read host-side batch lists).
-``set_backend("triton")`` forces the Triton kernels on every device: on the CPU under
-``TRITON_INTERPRET=1`` that runs a whole model through the fast path in CI.
+An engine resolves a table for its architecture and device and ``install``s it (one engine per
+process; the next install replaces it). Until then, and after ``set_backend``, each call uses a
+default table of core's kernels for its tensor's device type: Triton on CUDA, the plain-torch
+references elsewhere ("auto"); ``set_backend("reference")`` forces the references on CUDA too
+(the oracle for fast-path tests; the engine then runs eagerly, since the reference attention
+reads host-side batch lists); ``set_backend("triton")`` forces the Triton kernels on every device
+(on the CPU under ``TRITON_INTERPRET=1``: a whole model through the fast path in CI).
 """
 from __future__ import annotations
 
 import torch
 
 from armillary.forward_batch import ForwardBatch, KVCache
-from armillary.kernels import attention as _attn
-from armillary.kernels import moe as _moe
-from armillary.kernels import norm as _norm
-from armillary.kernels import rotary as _rotary
-from armillary.kernels import sdpa_prefill as _sdpa
+from armillary.kernels import tuning
+from armillary.kernels.dispatch import BACKENDS, DispatchTable, core_registry, resolve_dispatch
 
-_BACKENDS = ("auto", "reference", "triton")
+_BACKENDS = BACKENDS
 _backend = "auto"
+_installed: DispatchTable | None = None
+_defaults: dict[bool, DispatchTable] = {}  # is_cuda -> core's table for the current backend
+
+
+def install(table: DispatchTable | None) -> None:
+    """Make ``table`` the process's dispatch (and its tuning packages the tables' overlay); None: defaults."""
+    global _installed
+    _installed = table
+    tuning.use_packages(table.tuning_packages if table is not None else ())
 
 
 def set_backend(name: str) -> None:
+    """Drop any installed table; calls use core's default tables under backend ``name``."""
     global _backend
     if name not in _BACKENDS:
         raise ValueError(f"kernel backend must be one of {_BACKENDS}, not {name!r}")
     _backend = name
+    _defaults.clear()
+    install(None)
 
 
 def get_backend() -> str:
-    return _backend
+    return _installed.backend if _installed is not None else _backend
+
+
+def _default_table(is_cuda: bool) -> DispatchTable:
+    table = _defaults.get(is_cuda)
+    if table is None:
+        device = torch.device("cuda") if is_cuda else torch.device("cpu")
+        table = _defaults[is_cuda] = resolve_dispatch(core_registry(), None, device, _backend)
+    return table
+
+
+def active_table(x: torch.Tensor | None = None) -> DispatchTable:
+    """The installed table, else the default for ``x``'s device type (CPU without ``x``)."""
+    if _installed is not None:
+        return _installed
+    return _default_table(x is not None and x.is_cuda)
+
+
+def _calls(x: torch.Tensor) -> dict:
+    table = _installed
+    if table is None:
+        table = _defaults.get(x.is_cuda) or _default_table(x.is_cuda)
+    return table.calls
 
 
 def use_triton(x: torch.Tensor) -> bool:
-    """Whether the Triton kernels serve this tensor's device under the current backend."""
-    return _backend == "triton" or (x.is_cuda and _backend == "auto")
+    """Whether Triton kernels serve this tensor's device under the active dispatch (plugins' own kernels)."""
+    return active_table(x).triton
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -43,23 +77,12 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     target's tuning table says it beats cuBLAS (always, under the forced "triton" backend);
     prefill, other layouts and the CPU reference take ``F.linear``.
     """
-    if use_triton(x) and x.dim() == 2:
-        from armillary.kernels.triton import skinny_gemm as tri
-
-        cfg = tri.serves(x, weight, bias, require_win=_backend != "triton")
-        if cfg is not None:
-            return tri.skinny_gemm(x, weight, bias, config=cfg)
-    return torch.nn.functional.linear(x, weight, bias)
+    return _calls(x)["linear"](x, weight, bias)
 
 
 def store_kv(cache: KVCache, k: torch.Tensor, v: torch.Tensor, batch: ForwardBatch) -> None:
-    """Write new keys / values ``[T, Hkv, D]`` into the paged cache at ``batch.slot_mapping``."""
-    if use_triton(k):
-        from armillary.kernels.triton.kv_cache import write_kv_cache
-
-        write_kv_cache(k, v, cache.k, cache.v, batch.slot_mapping_of(cache))
-    else:
-        _attn.write_kv(cache, k, v, batch.slot_mapping_of(cache))
+    """Write new keys / values ``[T, Hkv, D]`` into the paged cache at ``batch.slot_mapping_of(cache)``."""
+    _calls(k)["store_kv"](cache, k, v, batch)
 
 
 def attention(q: torch.Tensor, cache: KVCache, batch: ForwardBatch, scale: float,
@@ -68,35 +91,17 @@ def attention(q: torch.Tensor, cache: KVCache, batch: ForwardBatch, scale: float
     """Causal attention of the step's queries ``[T, Hq, D]`` over each sequence's cached context.
 
     ``gate``: optional [T, Hq, Dv] (unit last stride); the output is then ``attn · sigmoid(gate)``,
-    each factor rounded to the model dtype as the unfused torch ops round them.
+    each factor rounded to the model dtype as the unfused torch ops round them. Decode-only steps
+    take ``paged_attention_decode``; others try ``fresh_prefill_attention`` (cuDNN SDPA for long
+    fresh prompts on CUDA), then ``paged_attention_prefill``.
     """
-    if not use_triton(q):
-        if batch.seq_lens_cpu is None:
-            raise RuntimeError("the reference attention reads host lists, which a CUDA-graph batch does not have")
-        out = _attn.paged_attention(q, cache, batch.block_tables_of(cache), batch.query_start_loc_cpu, batch.seq_lens_cpu,
-                                    scale, sliding_window, softcap)
-        return _gated(out, gate)
-    if (q.is_cuda and not batch.is_decode_only and not sliding_window and not softcap
-            and q.dtype in (torch.float16, torch.bfloat16)
-            and _sdpa.worth_it(batch.context_lens_cpu, batch.query_start_loc_cpu)):
-        out = _sdpa.fresh_prefill_attention(q, cache, batch.block_tables_of(cache), batch.query_start_loc_cpu, scale)
-        if out is not None:
-            return _gated(out, gate)
-    from armillary.kernels.triton import paged_attention as tri
-
+    calls = _calls(q)
     if batch.is_decode_only:
-        return tri.paged_attention_decode(q, cache.k, cache.v, batch.block_tables_of(cache), batch.seq_lens, scale,
-                                          sliding_window, softcap, max_seq_len=batch.max_seq_len, gate=gate)
-    return tri.paged_attention_prefill(q, cache.k, cache.v, batch.block_tables_of(cache), batch.query_start_loc,
-                                       batch.seq_lens, batch.max_query_len, scale, sliding_window, softcap,
-                                       max_seq_len=batch.max_seq_len, gate=gate)
-
-
-def _gated(out: torch.Tensor, gate: torch.Tensor | None) -> torch.Tensor:
-    """``out · sigmoid(gate)`` with torch ops (out, gate: [T, H, D]); ``out`` itself without a gate."""
-    if gate is None:
+        return calls["paged_attention_decode"](q, cache, batch, scale, sliding_window, softcap, gate)
+    out = calls["fresh_prefill_attention"](q, cache, batch, scale, sliding_window, softcap, gate)
+    if out is not None:
         return out
-    return out * torch.sigmoid(gate)  # elementwise on the [T, H, D] views: no copy of the strided gate
+    return calls["paged_attention_prefill"](q, cache, batch, scale, sliding_window, softcap, gate)
 
 
 def qk_norm_rope_store(query: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_weight: torch.Tensor,
@@ -108,91 +113,60 @@ def qk_norm_rope_store(query: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_
     [T, rotary_dim / 2]. Writes k (normed, rotated) and v to ``cache`` at ``batch.slot_mapping``;
     returns q [T, Hq, D]. One launch on Triton; otherwise the unfused reference ops.
     """
-    if use_triton(query):
-        from armillary.kernels.triton.qk_norm_rope import qk_norm_rope_store as tri
-
-        return tri(query, k, v, q_weight, k_weight, eps, cos, sin, cache.k, cache.v, batch.slot_mapping_of(cache),
-                   zero_centered)
-    q = _rotary.apply_rotary(_norm.rms_norm(query, q_weight, eps, zero_centered), cos, sin)
-    k = _rotary.apply_rotary(_norm.rms_norm(k, k_weight, eps, zero_centered), cos, sin)
-    _attn.write_kv(cache, k, v, batch.slot_mapping_of(cache))
-    return q
+    return _calls(query)["qk_norm_rope_store"](query, k, v, q_weight, k_weight, eps, cos, sin, cache, batch,
+                                               zero_centered)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centered: bool = False) -> torch.Tensor:
-    if use_triton(x):
-        from armillary.kernels.triton.norm import rms_norm as tri
-
-        return tri(x, weight, eps, zero_centered)
-    return _norm.rms_norm(x, weight, eps, zero_centered)
+    return _calls(x)["rms_norm"](x, weight, eps, zero_centered)
 
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
                  zero_centered: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """``r = x + residual`` (rounded to the model dtype) and ``rms_norm(r)``; returns (normed, r)."""
-    if use_triton(x):
-        from armillary.kernels.triton.norm import fused_add_rms_norm
-
-        return fused_add_rms_norm(x, residual, weight, eps, zero_centered)
-    r = x + residual
-    return _norm.rms_norm(r, weight, eps, zero_centered), r
+    return _calls(x)["add_rms_norm"](x, residual, weight, eps, zero_centered)
 
 
 def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float,
                    group_size: int | None = None, norm_before_gate: bool = True) -> torch.Tensor:
-    if use_triton(x):
-        from armillary.kernels.triton.norm import gated_rms_norm as tri
-
-        if x.dim() in (2, 3) and group_size is None:  # strided [T, H, D] views are read in place
-            return tri(x, gate, weight, eps, None, norm_before_gate)
-        d = x.shape[-1]
-        return tri(x.reshape(-1, d), gate.reshape(-1, d), weight, eps, group_size, norm_before_gate).view(x.shape)
-    return _norm.gated_rms_norm(x, gate, weight, eps, group_size, norm_before_gate)
+    return _calls(x)["gated_rms_norm"](x, gate, weight, eps, group_size, norm_before_gate)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool = False) -> torch.Tensor:
     """Rotary on the first ``2 * cos.shape[-1]`` dims of ``x: [T, H, D]``; cos, sin: [T, rot / 2]."""
-    if use_triton(x):
-        from armillary.kernels.triton.rotary import apply_rotary_
-
-        x = x.contiguous()
-        apply_rotary_(x, None, cos, sin, interleaved)
-        return x
-    return _rotary.apply_rotary(x, cos, sin, interleaved)
+    return _calls(x)["rotary"](x, cos, sin, interleaved)
 
 
 def softmax_topk(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    if use_triton(router_logits):
-        from armillary.kernels.triton.moe_routing import topk_softmax
-
-        return topk_softmax(router_logits, top_k, renormalize)
-    return _moe.softmax_topk(router_logits, top_k, renormalize)
+    """router_logits [T, E] -> (weights [T, k] float32, ids [T, k])."""
+    return _calls(router_logits)["softmax_topk"](router_logits, top_k, renormalize, False)
 
 
 def softmax_topk_with_shared(router_logits: torch.Tensor, top_k: int,
-                            renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                             renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax routing over the first ``E`` columns plus one always-on shared expert (id ``E``).
 
     router_logits: [T, E + 1], the last column the shared expert's gate logit -> (weights [T, k + 1]
     float32, ids [T, k + 1]); the shared expert's weight is sigmoid(gate logit).
     """
-    num_experts = router_logits.shape[1] - 1
-    if use_triton(router_logits):
-        from armillary.kernels.triton.moe_routing import topk_softmax
+    return _calls(router_logits)["softmax_topk"](router_logits, top_k, renormalize, True)
 
-        return topk_softmax(router_logits[:, :num_experts], top_k, renormalize, num_shared=1,
-                            shared_gate_logits=router_logits[:, num_experts])
-    weights, ids = _moe.softmax_topk(router_logits[:, :num_experts], top_k, renormalize)
-    shared_w = torch.sigmoid(router_logits[:, num_experts:].float())  # [T, 1]
-    shared_id = torch.full_like(ids[:, :1], num_experts)
-    return torch.cat([weights, shared_w], dim=1), torch.cat([ids, shared_id], dim=1)
+
+def sigmoid_topk(router_logits: torch.Tensor, bias: torch.Tensor | None, top_k: int, renormalize: bool,
+                 scaling: float = 1.0, num_shared: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sigmoid router with a selection-only correction bias [E] (Nemotron-H, GLM): -> (weights [T, k + S]
+    float32, ids [T, k + S]), the ``num_shared`` extra columns experts E.. with weight 1."""
+    return _calls(router_logits)["sigmoid_topk"](router_logits, bias, top_k, renormalize, scaling, num_shared)
 
 
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor, activation: str = "silu") -> torch.Tensor:
     """Routed experts: ``x: [T, H]``, ``w13: [E, 2I or I, H]``, ``w2: [E, H, I]`` -> ``[T, H]``."""
-    if use_triton(x):
-        from armillary.kernels.triton.moe import fused_moe as tri
+    return _calls(x)["fused_moe"](x, w13, w2, topk_weights, topk_ids, activation)
 
-        return tri(x, w13, w2, topk_weights, topk_ids, activation)
-    return _moe.fused_moe(x, w13, w2, topk_weights, topk_ids, activation)
+
+def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, conv_states: torch.Tensor,
+                  state_slots: torch.Tensor, batch: ForwardBatch, activation: str | None = "silu") -> torch.Tensor:
+    """Depthwise causal conv1d of packed sequences x [T, C] (weight [C, W]) from each slot's window
+    ``conv_states [slots, C, W - 1]`` (updated in place); ``state_slots`` [B]. Returns [T, C]."""
+    return _calls(x)["causal_conv1d"](x, weight, bias, conv_states, state_slots, batch, activation)

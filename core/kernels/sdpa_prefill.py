@@ -60,3 +60,25 @@ def fresh_prefill_attention(
         _refused.add(key)
         return None
     return out
+
+
+def supports(device: torch.device, dtype: torch.dtype | None, *, decode_only: bool = False,
+             sliding_window: int | None = None, softcap: float | None = None, context_lens: list[int] | None = None,
+             query_start_loc: list[int] | None = None, **_: object) -> bool:
+    """The ``fresh_prefill_attention`` check: CUDA; per call half precision, no window or soft-cap,
+    fresh long prompts (``worth_it``)."""
+    if device.type != "cuda":
+        return False
+    if dtype is None:
+        return True
+    return (not decode_only and not sliding_window and not softcap and dtype in (torch.float16, torch.bfloat16)
+            and context_lens is not None and worth_it(context_lens, query_start_loc))
+
+
+def fresh_prefill(q: torch.Tensor, cache: KVCache, batch, scale: float, sliding_window: int | None,
+                  softcap: float | None, gate: torch.Tensor | None) -> torch.Tensor | None:
+    """``fresh_prefill_attention`` in the interface's signature; None when no SDPA backend takes the shapes."""
+    out = fresh_prefill_attention(q, cache, batch.block_tables_of(cache), batch.query_start_loc_cpu, scale)
+    if out is None or gate is None:
+        return out
+    return out * torch.sigmoid(gate)

@@ -1,25 +1,93 @@
-"""Per-compute-capability kernel configs (block sizes, warps, stages), chosen at start-up.
+"""Kernel launch configs (block sizes, warps, stages) per GPU, from stacked tables: plugin over core over defaults.
 
-A package keeps one JSON file per GPU target, e.g. ``tuning/sm_90.json`` (H100 / H200) and
-``tuning/sm_121.json`` (GB10): ``{"kernel_name": {"<shape key>": {"BLOCK_K": 64, "num_warps": 4}}}``.
-``"default"`` is the key used when a shape has no entry. A missing file means the kernel's own
-defaults; an autotune script regenerates a file on a new GPU.
+A package keeps JSON tables in its ``tuning`` folder, one per GPU target: ``sm_90.json`` for a
+compute capability (H100 and H200) and optionally ``sm_90_h200.json`` / ``sm_90_h100.json`` for one
+GPU of it: ``{"kernel_name": {"<shape key>": {"BLOCK_K": 64, "num_warps": 4}}}``, ``"default"``
+applying to every shape. A missing file or entry falls through to the next layer.
+
+``kernel_config(package, kernel, key, defaults)`` starts from the kernel's ``defaults`` and
+overlays, lowest first: ``package``'s capability table, its GPU table, then the same two of each
+active overlay package (the served architecture's plugin, set through ``ops.install``), each
+table's ``"default"`` entry before its ``key`` entry. So a plugin's table carries its models'
+shapes, core's the generic entries, and a GPU's own table what differs from its capability's.
 """
 from __future__ import annotations
 
 import json
+import re
+from collections.abc import Iterator
+from contextlib import contextmanager
 from functools import lru_cache
 from importlib import resources
 
 import torch
+
+_overlay: tuple[str, ...] = ()  # packages whose tables lie over the kernel's own, lowest first
+
+
+def use_packages(packages: tuple[str, ...] | list[str]) -> None:
+    """Set the process's overlay packages (``ops.install`` does, from the dispatch table)."""
+    global _overlay
+    _overlay = tuple(packages)
+
+
+def active_packages() -> tuple[str, ...]:
+    return _overlay
+
+
+@contextmanager
+def overlay(*packages: str) -> Iterator[None]:
+    """Overlay ``packages``' tables for the duration (benchmarks and tests calling kernels directly)."""
+    saved = _overlay
+    use_packages(packages)
+    try:
+        yield
+    finally:
+        use_packages(saved)
+
+
+@lru_cache(maxsize=None)
+def _capability(index: int | None) -> str:
+    major, minor = torch.cuda.get_device_capability(index)
+    return f"sm_{major}{minor}"
 
 
 def device_target(device: torch.device | None = None) -> str:
     """``"sm_90"`` for compute capability (9, 0); ``"cpu"`` without CUDA."""
     if device is not None and device.type != "cuda" or not torch.cuda.is_available():
         return "cpu"
-    major, minor = torch.cuda.get_device_capability(device)
-    return f"sm_{major}{minor}"
+    return _capability(device.index if device is not None else torch.cuda.current_device())
+
+
+def gpu_name_key(name: str) -> str:
+    """"NVIDIA H200" -> "h200", "NVIDIA H100 80GB HBM3" -> "h100", "NVIDIA GeForce RTX 4090" -> "rtx4090":
+    the words up to the first with a digit, without the vendor and brand words."""
+    words = [w for w in re.split(r"[^a-z0-9]+", name.lower()) if w and w not in ("nvidia", "geforce", "tesla")]
+    kept = []
+    for word in words:
+        kept.append(word)
+        if any(c.isdigit() for c in word):
+            break
+    return "".join(kept)
+
+
+@lru_cache(maxsize=None)
+def _gpu_name(index: int) -> str:
+    return gpu_name_key(torch.cuda.get_device_name(index))
+
+
+def gpu_name(device: torch.device | None = None) -> str | None:
+    """The GPU's table-name key (``"h200"``), or None off CUDA."""
+    if device is not None and device.type != "cuda" or not torch.cuda.is_available():
+        return None
+    return _gpu_name(device.index if device is not None and device.index is not None else torch.cuda.current_device())
+
+
+def device_targets(device: torch.device | None = None) -> tuple[str, ...]:
+    """Table names for ``device``, least specific first: ``("sm_90", "sm_90_h200")``; ``("cpu",)`` off CUDA."""
+    target = device_target(device)
+    name = gpu_name(device) if target != "cpu" else None
+    return (target, f"{target}_{name}") if name else (target,)
 
 
 @lru_cache(maxsize=None)
@@ -33,6 +101,23 @@ def load_table(package: str, target: str) -> dict:
 
 
 def kernel_config(package: str, kernel: str, key: str, defaults: dict, device: torch.device | None = None) -> dict:
-    """``defaults`` overlaid with the table entry for ``kernel`` at shape ``key`` (or its "default")."""
-    entries = load_table(package, device_target(device)).get(kernel, {})
-    return {**defaults, **entries.get("default", {}), **entries.get(key, {})}
+    """``defaults`` overlaid with each table's entry for ``kernel`` ("default", then ``key``), lowest table
+    first: ``package``'s, then the overlay packages'; within a package the capability's, then the GPU's."""
+    cfg = dict(defaults)
+    targets = device_targets(device)
+    for pkg in _packages(package):
+        for target in targets:
+            entries = load_table(pkg, target).get(kernel)
+            if entries:
+                cfg.update(entries.get("default", ()))
+                cfg.update(entries.get(key, ()))
+    return cfg
+
+
+def table_layers(package: str, device: torch.device | None = None) -> list[tuple[str, str]]:
+    """(package, table name) of every table ``kernel_config`` reads for ``package``'s kernels, lowest first."""
+    return [(pkg, target) for pkg in _packages(package) for target in device_targets(device)]
+
+
+def _packages(package: str) -> tuple[str, ...]:
+    return (package, *(p for p in _overlay if p != package))

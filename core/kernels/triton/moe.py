@@ -163,6 +163,21 @@ def gemv_config_key(num_tokens: int) -> str:
     return f"t{triton.next_power_of_2(num_tokens)}"
 
 
+def gemv_config(num_tokens: int, device: torch.device | None = None) -> dict:
+    """The GEMV path's table config for ``num_tokens`` (its ``max_tokens`` decides whether auto takes it)."""
+    return kernel_config(TUNING_PACKAGE, "fused_moe_gemv", gemv_config_key(num_tokens), GEMV_DEFAULTS, device)
+
+
+def decode_config(num_pairs: int, device: torch.device | None = None) -> dict:
+    pairs_pad = max(16, triton.next_power_of_2(num_pairs))
+    return kernel_config(TUNING_PACKAGE, "fused_moe_decode", f"p{pairs_pad}", DECODE_DEFAULTS, device)
+
+
+def grouped_config(num_pairs: int, num_experts: int, device: torch.device | None = None) -> dict:
+    key = grouped_config_key(num_pairs, num_experts)
+    return kernel_config(TUNING_PACKAGE, "fused_moe", key, GROUPED_DEFAULTS, device)
+
+
 def _check_shapes(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor) -> bool:
     """Validate the operands; returns whether the expert is gated (w13 holds [gate | up])."""
     inter = w2.shape[2]
@@ -217,7 +232,7 @@ def fused_moe(
     ids = topk_ids.contiguous()
     pair_weights = topk_weights.contiguous()
     if path in ("auto", "gemv"):
-        gemv = kernel_config(TUNING_PACKAGE, "fused_moe_gemv", gemv_config_key(num_tokens), GEMV_DEFAULTS, x.device)
+        gemv = gemv_config(num_tokens, x.device)
         if path == "gemv" or num_tokens <= gemv["max_tokens"]:
             cfg = {**fit_element_size(gemv, element_size), **(config or {})}
             return moe_gemv(x, w13, w2, pair_weights, ids, out, gated, act, cfg)
@@ -225,7 +240,7 @@ def fused_moe(
     pairs_out = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)  # [T * k, H]
 
     pairs_pad = max(16, triton.next_power_of_2(num_pairs))
-    decode = kernel_config(TUNING_PACKAGE, "fused_moe_decode", f"p{pairs_pad}", DECODE_DEFAULTS, x.device)
+    decode = decode_config(num_pairs, x.device)
     if path == "decode" or (path == "auto" and num_pairs <= decode["max_pairs"]):
         cfg = {**fit_element_size(decode, element_size), **(config or {})}
         rows = max(16, triton.next_power_of_2(min(num_tokens, num_pairs)))  # most pairs one expert serves
@@ -243,8 +258,7 @@ def fused_moe(
             num_warps=cfg["num_warps2"], num_stages=cfg["num_stages2"],
         )  # fmt: skip
     elif path in ("auto", "grouped"):
-        key = grouped_config_key(num_pairs, num_experts)
-        table = kernel_config(TUNING_PACKAGE, "fused_moe", key, GROUPED_DEFAULTS, x.device)
+        table = grouped_config(num_pairs, num_experts, x.device)
         cfg = {**fit_element_size(table, element_size), **(config or {})}
         align = moe_align(ids, num_experts, cfg["BLOCK_M"])
         h = torch.empty(align.max_blocks * align.block_m, inter, dtype=x.dtype, device=x.device)  # sorted rows

@@ -88,6 +88,13 @@ def _rows_view(x: torch.Tensor) -> tuple[int, int, int]:
     raise ValueError("rms_norm: x must be 1-, 2- or 3-dimensional")
 
 
+def launch_config(block_d: int, device: torch.device | None = None) -> dict:
+    """Rows per program and warps for a padded row width ``block_d``: defaults, then the tables."""
+    rows = max(1, min(16, 2048 // block_d))
+    defaults = {"ROWS": rows, "num_warps": 4 if block_d * rows <= 4096 else 8}
+    return kernel_config(TUNING_PACKAGE, "rms_norm", f"d{block_d}", defaults, device)
+
+
 def _launch(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -122,10 +129,7 @@ def _launch(
     if num_rows == 0:
         return out.view(shape), res_out
     block_d = triton.next_power_of_2(dim)
-    rows = max(1, min(16, 2048 // block_d))
-    cfg = kernel_config(
-        TUNING_PACKAGE, "rms_norm", f"d{block_d}", {"ROWS": rows, "num_warps": 4 if block_d * rows <= 4096 else 8}, x.device
-    )
+    cfg = launch_config(block_d, x.device)
     _rms_norm_kernel[(triton.cdiv(num_rows, cfg["ROWS"]),)](
         x, residual if residual is not None else x, gate if gate is not None else x, weight, out,
         res_out if res_out is not None else out, num_rows, dim, rows_inner, stride_outer, stride_inner,

@@ -11,34 +11,36 @@ from torch import nn
 
 from armillary.forward_batch import ForwardBatch, KVCache
 from armillary.kernels import ops
+from armillary.layers import QKVParallelLinear, RMSNorm, RowParallelLinear
 from armillary_qwen_gdn_moe.config import QwenHybridConfig
-from armillary_qwen_gdn_moe.layers import ZeroCenteredRMSNorm, linear
 
 
 class GatedAttention(nn.Module):
-    def __init__(self, cfg: QwenHybridConfig) -> None:
+    """``qkv_proj`` rows [q | k | v], q per head [query | gate] (checkpoint ``q_proj`` as stored),
+    ``o_proj``, ``q_norm`` / ``k_norm``; head counts are this tensor-parallel rank's."""
+
+    def __init__(self, cfg: QwenHybridConfig, prefix: str = "") -> None:
         super().__init__()
-        self.num_heads = cfg.num_attention_heads
-        self.num_kv_heads = cfg.num_key_value_heads
         self.head_dim = cfg.head_dim
         hidden, bias = cfg.hidden_size, cfg.attention_bias
-        self.q_size = 2 * self.num_heads * self.head_dim  # per head [query | gate]
-        self.kv_size = self.num_kv_heads * self.head_dim
         # q_proj, k_proj and v_proj stacked: one projection launch per step
-        self.qkv_proj = linear(hidden, self.q_size + 2 * self.kv_size, bias)
-        self.o_proj = linear(self.num_heads * self.head_dim, hidden, bias)
-        self.q_norm = ZeroCenteredRMSNorm(self.head_dim, cfg.rms_norm_eps)
-        self.k_norm = ZeroCenteredRMSNorm(self.head_dim, cfg.rms_norm_eps)
+        self.qkv_proj = QKVParallelLinear(hidden, self.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads,
+                                          bias, q_size=2 * cfg.num_attention_heads * self.head_dim,
+                                          prefix=f"{prefix}.qkv_proj")
+        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
+        self.q_size, self.kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
+        self.o_proj = RowParallelLinear(cfg.num_attention_heads * self.head_dim, hidden, bias,
+                                        prefix=f"{prefix}.o_proj")
+        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, zero_centered=True)
+        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, zero_centered=True)
         self.scale = self.head_dim**-0.5
 
-    def checkpoint_slot(self, local_name: str) -> tuple[str, tuple] | None:
-        """Where ``{q,k,v}_proj.{weight,bias}`` land inside ``qkv_proj`` (name relative to this module)."""
+    def checkpoint_pieces(self, local_name: str, tensor: torch.Tensor) -> list | None:
+        """``{q,k,v}_proj.{weight,bias}`` -> shard q / k / v of ``qkv_proj`` (names relative to this module)."""
         proj, _, kind = local_name.partition(".")
-        starts = {"q_proj": 0, "k_proj": self.q_size, "v_proj": self.q_size + self.kv_size}
-        if proj not in starts or kind not in ("weight", "bias"):
+        if proj not in ("q_proj", "k_proj", "v_proj") or kind not in ("weight", "bias"):
             return None
-        size = self.q_size if proj == "q_proj" else self.kv_size
-        return f"qkv_proj.{kind}", (slice(starts[proj], starts[proj] + size),)
+        return [(f"qkv_proj.{kind}", tensor, {"shard_id": proj[0]})]
 
     def forward(
         self, x: torch.Tensor, batch: ForwardBatch, cache: KVCache, cos: torch.Tensor, sin: torch.Tensor

@@ -6,29 +6,31 @@ from torch import nn
 
 from armillary.forward_batch import ForwardBatch, KVCache, LayerCache, RecurrentState
 from armillary.kernels.rotary import rotary_cos_sin, rotary_inv_freq
+from armillary.layers import GatedMLP, RMSNorm, VocabEmbedding
 from armillary_qwen_gdn_moe.attention import GatedAttention
 from armillary_qwen_gdn_moe.config import LINEAR_ATTENTION, QwenHybridConfig
 from armillary_qwen_gdn_moe.gated_deltanet import GatedDeltaNet
-from armillary_qwen_gdn_moe.layers import SwiGLUMLP, ZeroCenteredRMSNorm, embedding
 from armillary_qwen_gdn_moe.moe import SparseMoeBlock
 
 
 class DecoderLayer(nn.Module):
     """h += mixer(norm(h)); h += mlp(norm(h)). The mixer is ``linear_attn`` (GDN) or ``self_attn``."""
 
-    def __init__(self, cfg: QwenHybridConfig, layer_type: str, is_moe: bool) -> None:
+    def __init__(self, cfg: QwenHybridConfig, layer_type: str, is_moe: bool, prefix: str = "") -> None:
         super().__init__()
         self.is_linear = layer_type == LINEAR_ATTENTION
         if self.is_linear:
-            self.linear_attn = GatedDeltaNet(cfg)
+            self.linear_attn = GatedDeltaNet(cfg, prefix=f"{prefix}.linear_attn")
         else:
-            self.self_attn = GatedAttention(cfg)
+            self.self_attn = GatedAttention(cfg, prefix=f"{prefix}.self_attn")
         if is_moe:
-            self.mlp: nn.Module = SparseMoeBlock(cfg)
+            self.mlp: nn.Module = SparseMoeBlock(cfg, prefix=f"{prefix}.mlp")
         else:
-            self.mlp = SwiGLUMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act)
-        self.input_layernorm = ZeroCenteredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.post_attention_layernorm = ZeroCenteredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+            # gate and up kept apart: the tuned decode GEMMs are keyed on these shapes
+            self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act, merged=False,
+                                prefix=f"{prefix}.mlp")
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, zero_centered=True)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, zero_centered=True)
 
     def forward(
         self, h: torch.Tensor, residual: torch.Tensor | None, batch: ForwardBatch, cache: LayerCache | None,
@@ -57,13 +59,14 @@ class DecoderLayer(nn.Module):
 class HybridModel(nn.Module):
     """``embed_tokens``, ``layers``, final ``norm`` (checkpoint prefix ``model.``)."""
 
-    def __init__(self, cfg: QwenHybridConfig) -> None:
+    def __init__(self, cfg: QwenHybridConfig, prefix: str = "model") -> None:
         super().__init__()
-        self.embed_tokens = embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(
-            DecoderLayer(cfg, layer_type, cfg.is_moe(i)) for i, layer_type in enumerate(cfg.layer_types)
+            DecoderLayer(cfg, layer_type, cfg.is_moe(i), prefix=f"{prefix}.layers.{i}")
+            for i, layer_type in enumerate(cfg.layer_types)
         )
-        self.norm = ZeroCenteredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, zero_centered=True)
         self.register_buffer("inv_freq", rotary_inv_freq(cfg.rotary_dim, cfg.rope_theta), persistent=False)
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:

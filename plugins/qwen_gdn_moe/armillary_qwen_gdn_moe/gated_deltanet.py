@@ -12,20 +12,23 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.utils import skip_init
 
+from armillary.errors import WeightLoadError
 from armillary.forward_batch import ForwardBatch, RecurrentState
 from armillary.kernels import ops
-from armillary.kernels.conv1d import causal_conv1d_varlen
+from armillary.layers import GatedRMSNorm, MergedColumnParallelLinear, RowParallelLinear
 from armillary_qwen_gdn_moe.config import QwenHybridConfig
-from armillary_qwen_gdn_moe.layers import GatedRMSNorm, empty_parameter, linear
 from armillary_qwen_gdn_moe.ops.gated_delta_rule import chunk_gated_delta_rule_ref, recurrent_gated_delta_rule_ref
 
 
-class GatedDeltaNet(nn.Module):
-    """Parameters: ``in_proj`` rows [q | k | v | z | b | a] (heads in order; both checkpoint layouts
-    are rearranged into it by weights.py), ``conv1d.weight`` [C, 1, K], ``A_log`` and ``dt_bias``
-    [HV] float32, ``norm.weight`` [V], ``out_proj``."""
+IN_PROJ_SHARDS = ("q", "k", "v", "z", "b", "a")  # the slots of ``in_proj``, in row order
 
-    def __init__(self, cfg: QwenHybridConfig) -> None:
+
+class GatedDeltaNet(nn.Module):
+    """Parameters: ``in_proj`` rows [q | k | v | z | b | a] (a ``MergedColumnParallelLinear``, heads
+    in order; ``checkpoint_pieces`` rearranges both checkpoint layouts into it), ``conv1d.weight``
+    [C, 1, K], ``A_log`` and ``dt_bias`` [HV] float32, ``norm.weight`` [V], ``out_proj``."""
+
+    def __init__(self, cfg: QwenHybridConfig, prefix: str = "") -> None:
         super().__init__()
         self.num_k_heads = cfg.linear_num_key_heads
         self.num_v_heads = cfg.linear_num_value_heads
@@ -35,26 +38,47 @@ class GatedDeltaNet(nn.Module):
         self.value_dim = self.num_v_heads * self.head_v_dim
         self.conv_dim = cfg.conv_dim
         self.activation = cfg.hidden_act
-        self.in_proj = linear(cfg.hidden_size, self.conv_dim + self.value_dim + 2 * self.num_v_heads)
+        self.in_proj_sizes = [self.key_dim, self.key_dim, self.value_dim, self.value_dim, self.num_v_heads,
+                              self.num_v_heads]  # rows of IN_PROJ_SHARDS
+        self.in_proj = MergedColumnParallelLinear(cfg.hidden_size, self.in_proj_sizes, prefix=f"{prefix}.in_proj")
         self.conv1d = skip_init(
             nn.Conv1d, self.conv_dim, self.conv_dim, cfg.conv_kernel, groups=self.conv_dim, bias=False,
             device=torch.get_default_device(),
         )
         # the decay parameters stay float32 whatever the model dtype
-        self.A_log = empty_parameter(self.num_v_heads, dtype=torch.float32)
-        self.dt_bias = empty_parameter(self.num_v_heads, dtype=torch.float32)
+        self.A_log = nn.Parameter(torch.empty(self.num_v_heads, dtype=torch.float32), requires_grad=False)
+        self.dt_bias = nn.Parameter(torch.empty(self.num_v_heads, dtype=torch.float32), requires_grad=False)
         self.norm = GatedRMSNorm(self.head_v_dim, cfg.rms_norm_eps)
-        self.out_proj = linear(self.value_dim, cfg.hidden_size)
+        self.out_proj = RowParallelLinear(self.value_dim, cfg.hidden_size, prefix=f"{prefix}.out_proj")
 
-    def in_proj_rows(self) -> dict[str, tuple[int, int]]:
-        """Row range of each logical projection inside ``in_proj.weight``."""
-        sizes = {"q": self.key_dim, "k": self.key_dim, "v": self.value_dim, "z": self.value_dim,
-                 "b": self.num_v_heads, "a": self.num_v_heads}
-        rows, start = {}, 0
-        for name, size in sizes.items():
-            rows[name] = (start, start + size)
-            start += size
-        return rows
+    def checkpoint_pieces(self, local_name: str, tensor: torch.Tensor) -> list | None:
+        """Both checkpoint layouts of the input projection -> slots of ``in_proj`` (names relative to
+        this module): Qwen3.5's ``in_proj_qkv`` / ``in_proj_z`` / ``in_proj_b`` / ``in_proj_a``, and
+        Qwen3-Next's ``in_proj_qkvz`` / ``in_proj_ba``, whose rows are grouped per key head:
+        [q | k | v×r | z×r] and [b×r | a×r], r = HV / H."""
+        part = local_name.removeprefix("in_proj_").removesuffix(".weight")
+        if not local_name.startswith("in_proj_") or not local_name.endswith(".weight") or \
+                part not in ("qkvz", "ba", "qkv", "z", "b", "a"):
+            return None
+        hidden = tensor.shape[-1]
+        if part in ("qkvz", "ba"):
+            groups, ratio = self.num_k_heads, self.num_v_heads // self.num_k_heads
+            if part == "qkvz":
+                sizes = [self.head_k_dim, self.head_k_dim, ratio * self.head_v_dim, ratio * self.head_v_dim]
+            else:
+                sizes = [ratio, ratio]
+            names = list(part)
+            if tensor.shape[0] != groups * sum(sizes):
+                raise WeightLoadError(f"{local_name} has {tensor.shape[0]} rows, expected {groups * sum(sizes)}")
+            split = tensor.reshape(groups, sum(sizes), hidden).split(sizes, dim=1)  # per key head
+            values = [s.reshape(-1, hidden) for s in split]
+        else:
+            names = list(part)
+            sizes = [self.in_proj_sizes[IN_PROJ_SHARDS.index(n)] for n in names]
+            if tensor.shape[0] != sum(sizes):
+                raise WeightLoadError(f"{local_name} has {tensor.shape[0]} rows, expected {sum(sizes)}")
+            values = list(tensor.split(sizes, dim=0))
+        return [("in_proj.weight", v, {"shard_id": IN_PROJ_SHARDS.index(n)}) for n, v in zip(names, values)]
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, cache: RecurrentState) -> torch.Tensor:
         """x: [T, H] -> [T, H]; updates this layer's conv and SSM states of ``batch.state_slots``."""
@@ -72,17 +96,8 @@ class GatedDeltaNet(nn.Module):
         mixed_qkv, z, b, a = projected.split(
             [self.conv_dim, self.value_dim, self.num_v_heads, self.num_v_heads], dim=-1
         )
-        if fast:
-            from armillary_qwen_gdn_moe.ops.causal_conv1d.varlen import causal_conv1d_prefill
-
-            mixed_qkv = causal_conv1d_prefill(mixed_qkv, self.conv1d.weight[:, 0], None, conv_states,
-                                              batch.state_slots, batch.query_start_loc,
-                                              activation=self.activation, cu_seqlens_cpu=batch.query_start_loc_cpu)
-        else:
-            mixed_qkv = causal_conv1d_varlen(
-                mixed_qkv, self.conv1d.weight[:, 0], None, conv_states, batch.state_slots,
-                batch.query_start_loc_cpu, activation=self.activation,
-            )
+        mixed_qkv = ops.causal_conv1d(mixed_qkv, self.conv1d.weight[:, 0], None, conv_states, batch.state_slots,
+                                      batch, activation=self.activation)  # [T, conv_dim]
         q, k, v = mixed_qkv.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
         q = q.reshape(num_tokens, self.num_k_heads, self.head_k_dim)
         k = k.reshape(num_tokens, self.num_k_heads, self.head_k_dim)

@@ -30,10 +30,8 @@ def armillary_register_kernels(registry) -> None:
     tuned = [(9, 0), (12, 1)]  # tuning/sm_90.json measured on an H200; sm_121 untuned guesses
     ops = f"{_PKG}.ops"
     registry.register("torch_gated_delta_rule", "gated_delta_rule",
-                      f"{ops}.gated_delta_rule.naive:chunk_gated_delta_rule_ref")
+                      f"{ops}.gated_delta_rule.naive:chunk_gated_delta_rule_ref", kind="reference")
     registry.register("triton_gdn_decode", "gated_delta_rule",
                       f"{ops}.gated_delta_rule.fused_recurrent:fused_gdn_decode", targets=tuned)
     registry.register("triton_chunk_gated_delta_rule", "gated_delta_rule",
                       f"{ops}.gated_delta_rule.chunk:chunk_gated_delta_rule", targets=tuned)
-    registry.register("triton_causal_conv1d", "causal_conv1d", f"{ops}.causal_conv1d.varlen:causal_conv1d_prefill",
-                      targets=tuned)

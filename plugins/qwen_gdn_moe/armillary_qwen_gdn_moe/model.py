@@ -8,21 +8,21 @@ from abc import abstractmethod
 from collections.abc import Iterable
 
 import torch
-import torch.nn.functional as F
 
 from armillary.cache_spec import FullAttention, LayerCacheSpec, Recurrent
 from armillary.forward_batch import ForwardBatch
 from armillary.hf_config import HFConfig
+from armillary.layers import LMHead
 from armillary.model_base import CausalLM
 from armillary_qwen_gdn_moe.config import LINEAR_ATTENTION, QwenHybridConfig
 from armillary_qwen_gdn_moe.decoder import HybridModel
-from armillary_qwen_gdn_moe.layers import linear
 from armillary_qwen_gdn_moe.mtp import MultiTokenPredictor
 from armillary_qwen_gdn_moe.weights import load_qwen_weights
 
 
 class QwenHybridForCausalLM(CausalLM):
-    """Built as ``cls(hf_config)`` under ``torch.device(device)`` and the model's default dtype."""
+    """Built as ``cls(hf_config)`` under ``torch.device(device)``, the model's default dtype, and the
+    build contexts ``use_parallel`` / ``use_quant_config`` that the shared layers read."""
 
     @classmethod
     @abstractmethod
@@ -34,9 +34,9 @@ class QwenHybridForCausalLM(CausalLM):
         self.config = self.parse(hf_config)
         cfg = self.config
         self.model = HybridModel(cfg)
-        self.lm_head = linear(cfg.hidden_size, cfg.vocab_size)
+        self.lm_head = LMHead(cfg.hidden_size, cfg.vocab_size)
         if cfg.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
+            self.lm_head.tie_to(self.model.embed_tokens)
         self.mtp = MultiTokenPredictor(cfg) if cfg.mtp_num_layers > 0 else None
         self.requires_grad_(False)
 
@@ -57,7 +57,7 @@ class QwenHybridForCausalLM(CausalLM):
         return self.model(batch)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden, self.lm_head.weight).float()
+        return self.lm_head.compute_logits(hidden)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         return load_qwen_weights(self, weights, self.config.tie_word_embeddings)

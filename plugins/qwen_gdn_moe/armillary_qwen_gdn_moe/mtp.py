@@ -9,20 +9,21 @@ from __future__ import annotations
 
 from torch import nn
 
+from armillary.layers import ReplicatedLinear, RMSNorm
 from armillary_qwen_gdn_moe.config import FULL_ATTENTION, QwenHybridConfig
 from armillary_qwen_gdn_moe.decoder import DecoderLayer
-from armillary_qwen_gdn_moe.layers import ZeroCenteredRMSNorm, linear
 
 
 class MultiTokenPredictor(nn.Module):
-    def __init__(self, cfg: QwenHybridConfig) -> None:
+    def __init__(self, cfg: QwenHybridConfig, prefix: str = "mtp") -> None:
         super().__init__()
         hidden = cfg.hidden_size
-        self.pre_fc_norm_embedding = ZeroCenteredRMSNorm(hidden, cfg.rms_norm_eps)
-        self.pre_fc_norm_hidden = ZeroCenteredRMSNorm(hidden, cfg.rms_norm_eps)
-        self.fc = linear(2 * hidden, hidden)
+        self.pre_fc_norm_embedding = RMSNorm(hidden, cfg.rms_norm_eps, zero_centered=True)
+        self.pre_fc_norm_hidden = RMSNorm(hidden, cfg.rms_norm_eps, zero_centered=True)
+        self.fc = ReplicatedLinear(2 * hidden, hidden, prefix=f"{prefix}.fc")
         # MTP layers are MoE exactly when the main model has experts
         self.layers = nn.ModuleList(
-            DecoderLayer(cfg, FULL_ATTENTION, is_moe=cfg.num_experts > 0) for _ in range(cfg.mtp_num_layers)
+            DecoderLayer(cfg, FULL_ATTENTION, is_moe=cfg.num_experts > 0, prefix=f"{prefix}.layers.{i}")
+            for i in range(cfg.mtp_num_layers)
         )
-        self.norm = ZeroCenteredRMSNorm(hidden, cfg.rms_norm_eps)
+        self.norm = RMSNorm(hidden, cfg.rms_norm_eps, zero_centered=True)

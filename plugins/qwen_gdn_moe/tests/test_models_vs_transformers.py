@@ -171,8 +171,9 @@ def _mtp_tensors(case: Case, saved: dict[str, torch.Tensor], hidden: int) -> dic
 
 
 def _landed(model, params: dict, name: str, tensor: torch.Tensor) -> torch.Tensor:
-    """What the loader wrote for checkpoint tensor ``name`` (stacked parameters hold several)."""
-    (param_name, index, _), = QwenWeightLoader(model, tie_word_embeddings=False).pieces(name, tensor)
+    """What the loader wrote for checkpoint tensor ``name`` (stacked parameters hold several);
+    loading it again writes the same values, and says where."""
+    (param_name, index), = QwenWeightLoader(model, tie_word_embeddings=False).loader.load(name, tensor)
     return params[param_name][index]
 
 

@@ -63,6 +63,9 @@ CASES = {
     "string with newlines quotes and unicode": (
         call("write_file", path="/tmp/ü東京 🌸.py", content=WRITE_CONTENT, mode="nullable"),
         "", [("write_file", {"path": "/tmp/ü東京 🌸.py", "content": WRITE_CONTENT, "mode": "nullable"})]),
+    "one newline on each side is the format's, as vLLM reads it": (
+        call("write_file", content="\nindented\n\n", path=" x "),
+        "", [("write_file", {"content": "\nindented\n\n", "path": " x "})]),
     "short strings": (
         call("write_file", path="nu", content="", mode="n"),
         "", [("write_file", {"path": "nu", "content": "", "mode": "n"})]),

@@ -14,10 +14,10 @@ from collections.abc import Sequence
 import torch
 import triton
 
+from armillary.kernels.triton.varlen import device_offsets, host_bounds, varlen_chunks
 from armillary.kernels.tuning import kernel_config
 from armillary_qwen_gdn_moe.ops.gated_delta_rule.chunk_intra import chunk_intra_kernel, l2norm_qk_kernel
 from armillary_qwen_gdn_moe.ops.gated_delta_rule.chunk_state import chunk_output_kernel, chunk_state_kernel
-from armillary_qwen_gdn_moe.ops.gated_delta_rule.varlen import device_offsets, host_bounds, varlen_chunks
 
 CHUNK = 64
 CHUNK_DEFAULTS = {

@@ -15,7 +15,7 @@ if not torch.cuda.is_available():
 import pytest  # noqa: E402
 
 from armillary.kernels.conv1d import causal_conv1d_varlen  # noqa: E402
-from armillary_qwen_gdn_moe.ops.causal_conv1d.varlen import causal_conv1d_prefill  # noqa: E402
+from armillary.kernels.triton.causal_conv1d import causal_conv1d_prefill  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3}

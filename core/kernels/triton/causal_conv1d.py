@@ -1,4 +1,4 @@
-"""Depthwise causal conv1d (+ SiLU) over packed variable-length sequences in Triton (the prefill path).
+"""Depthwise causal conv1d (+ SiLU) over packed variable-length sequences in Triton (GDN and Mamba-2 prefill).
 
 Each sequence continues from the last ``kernel - 1`` inputs kept in ``conv_states[slot]`` and
 leaves its own last ``kernel - 1`` inputs there. A program owns ``BLOCK_T`` tokens of one sequence
@@ -15,9 +15,10 @@ import triton
 import triton.language as tl
 
 from armillary.kernels.tuning import kernel_config
-from armillary_qwen_gdn_moe.ops.gated_delta_rule.varlen import device_offsets, host_bounds, varlen_chunks
+from armillary.kernels.triton.varlen import device_offsets, host_bounds, varlen_chunks
 
-CONV_DEFAULTS = {"BLOCK_T": 32, "BLOCK_C": 128, "num_warps": 4}
+TUNING_PACKAGE = "armillary.kernels"
+CONV_DEFAULTS = {"BLOCK_T": 32, "BLOCK_C": 128, "num_warps": 4}  # measured best of 5 on an H200 (bench/gdn_kernels.py)
 
 
 @triton.jit
@@ -109,7 +110,7 @@ def causal_conv1d_prefill(
     bounds = host_bounds(cu_seqlens, cu_seqlens_cpu)
     if x.shape[0] == 0:
         return out
-    cfg = {**kernel_config("armillary_qwen_gdn_moe", "causal_conv1d", f"w{kw}", CONV_DEFAULTS, x.device),
+    cfg = {**kernel_config(TUNING_PACKAGE, "causal_conv1d", f"w{kw}", CONV_DEFAULTS, x.device),
            **(config or {})}
     if cfg["BLOCK_T"] < kw - 1:
         raise ValueError("causal_conv1d_prefill: BLOCK_T must cover the old window (>= kernel - 1)")

@@ -1,4 +1,4 @@
-"""Chunk tables for packed variable-length batches, built on the host from the sequence offsets.
+"""Chunk tables for packed variable-length batches (conv1d, chunked GDN), built on the host from the sequence offsets.
 
 Sequences in a packed tensor start anywhere, not at multiples of the chunk size, so chunked kernels
 walk a table of (sequence, chunk-within-sequence) pairs instead of cutting the packed tensor.
