@@ -5,7 +5,6 @@ Runs on CPU under the Triton interpreter at odd sizes; on a CUDA machine the sam
 from __future__ import annotations
 
 import os
-from types import SimpleNamespace
 
 import torch
 
@@ -14,7 +13,7 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
-from armillary.forward_batch import KVCache  # noqa: E402
+from armillary.forward_batch import ForwardBatch, KVCache  # noqa: E402
 from armillary.kernels import ops  # noqa: E402
 from armillary.kernels.attention import paged_attention, write_kv  # noqa: E402
 from armillary.kernels.norm import rms_norm  # noqa: E402
@@ -137,12 +136,14 @@ def test_ops_triton_and_reference_backends_agree(dtype):
     qw, kw = randn(d, seed=1, dtype=dtype, scale=0.2), randn(d, seed=2, dtype=dtype, scale=0.2)
     cos, sin = rotary_cos_sin(torch.arange(3, 3 + t, device=DEVICE), rotary_inv_freq(rot, 1e6, DEVICE))
     # one sequence of 3 cached + 5 new tokens in blocks [2, 0] of 4 slots
-    batch = SimpleNamespace(
-        slot_mapping=torch.tensor([11, 0, 1, 2, 3], device=DEVICE),
-        block_tables=torch.tensor([[2, 0]], dtype=torch.int32, device=DEVICE),
-        query_start_loc=torch.tensor([0, t], dtype=torch.int32, device=DEVICE), query_start_loc_cpu=[0, t],
-        seq_lens=torch.tensor([3 + t], dtype=torch.int32, device=DEVICE), seq_lens_cpu=[3 + t],
-        is_decode_only=False, max_query_len=t, max_seq_len=3 + t,
+    i32 = dict(dtype=torch.int32, device=DEVICE)
+    batch = ForwardBatch(
+        input_ids=torch.zeros(t, dtype=torch.long, device=DEVICE), positions=torch.arange(3, 3 + t, device=DEVICE),
+        query_start_loc=torch.tensor([0, t], **i32), context_lens=torch.tensor([3], **i32),
+        seq_lens=torch.tensor([3 + t], **i32), slot_mapping=torch.tensor([11, 0, 1, 2, 3], device=DEVICE),
+        block_tables=torch.tensor([[2, 0]], **i32), state_slots=torch.zeros(1, dtype=torch.long, device=DEVICE),
+        logits_indices=torch.tensor([t - 1], device=DEVICE), caches=[],
+        query_start_loc_cpu=[0, t], context_lens_cpu=[3], seq_lens_cpu=[3 + t], max_seq_len=3 + t,
     )  # fmt: skip
     results = {}
     try:
