@@ -26,7 +26,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from armillary import LLM, SamplingParams  # noqa: E402
 from armillary.kernels import ops  # noqa: E402
-from armillary.sequence import Sequence  # noqa: E402
 from plugins.qwen_gdn_moe.tests.harness import qwen_registry  # noqa: E402
 from plugins.qwen_gdn_moe.tests.hf_models import CASES, make_reference  # noqa: E402
 
@@ -91,11 +90,7 @@ def _fast_decode(llm: LLM, prompt: list[int], steps: int) -> tuple[list[int], to
 def _reference_scores(llm: LLM, prompt: list[int], tokens: list[int]) -> torch.Tensor:
     """The reference kernels' logits at every position that chose ``tokens`` (one prefill)."""
     eng = llm.engine
-    seq = Sequence("ref", 0, prompt + tokens[:-1], SamplingParams())
-    seq.state_slot = eng.states.allocate()
-    seq.num_new_tokens = len(seq)
-    eng.blocks.grow(seq, len(seq))
-    batch, _ = eng.runner.prepare([seq])
+    batch, _ = eng.single_sequence_batch(prompt + tokens[:-1])
     hidden = eng.model(batch)[len(prompt) - 1:]
     return torch.cat([eng.model.compute_logits(hidden[i:i + 32]).float().cpu() for i in range(0, len(tokens), 32)])
 

@@ -34,15 +34,9 @@ def timed(fn, n: int) -> float:
 
 def prefill_profile(eng, n: int, rows: int) -> str:
     """Top kernels of one ``n``-token prefill forward (eager, as the engine runs prefills)."""
-    from armillary import SamplingParams
-    from armillary.sequence import Sequence
     from torch.profiler import ProfilerActivity, profile
 
-    seq = Sequence("prefill", 0, list(range(100, 100 + n)), SamplingParams(max_tokens=1))
-    seq.state_slot = eng.states.allocate()
-    seq.num_new_tokens = n
-    eng.blocks.grow(seq, n)
-    batch, _ = eng.runner.prepare([seq])
+    batch, _ = eng.single_sequence_batch(list(range(100, 100 + n)))
     forward_s = timed(lambda: eng.model(batch), 3)
     with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
         eng.model(batch)
@@ -72,15 +66,18 @@ def main() -> None:
     eng.async_scheduling = False
     eng.step()  # reads the step in flight back without launching another
     lines.append(f"engine.step(), batch 1, synchronous: {timed(eng.step, 50) * 1e3:.3f} ms")
+    from armillary.step_plan import ScheduledChunk, StepPlan
+
     seqs = list(eng.scheduler.running)
     for s in seqs:
-        s.num_new_tokens = 1
-        eng.blocks.grow(s, len(s))
-    batch, sampled = eng.runner.prepare(seqs)
+        eng.cache.allocate(s, len(s))
+    plan = StepPlan([ScheduledChunk(s, s.num_computed_tokens, 1, sample=True) for s in seqs])
+    sampled = seqs
+    batch = eng.runner.prepare(plan)
     graphs = eng.runner.graphs
-    lines.append(f"runner.prepare (eager batch): {timed(lambda: eng.runner.prepare(seqs), 50) * 1e3:.3f} ms")
+    lines.append(f"runner.prepare (eager batch): {timed(lambda: eng.runner.prepare(plan), 50) * 1e3:.3f} ms")
     if graphs is not None:
-        lines.append(f"graphs.stage (graph inputs): {timed(lambda: graphs.stage(seqs), 50) * 1e3:.3f} ms")
+        lines.append(f"graphs.stage (graph inputs): {timed(lambda: graphs.stage(plan), 50) * 1e3:.3f} ms")
     if graphs is not None:
         lines.append(f"graph replay (model forward): {timed(graphs.graphs[1].replay, 50) * 1e3:.3f} ms")
     hidden = eng.model(batch)

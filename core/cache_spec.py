@@ -12,19 +12,29 @@ import torch
 
 @dataclass(frozen=True, slots=True)
 class FullAttention:
-    """Paged K and V: ``[num_blocks, block_size, kv_heads, head_dim]`` each."""
+    """Paged K and V: ``[num_blocks, block_size, kv_heads, head_dim]`` each.
+
+    ``kv_dtype`` None stores the model dtype; a narrower one (FP8) adds per-layer ``k_scale`` /
+    ``v_scale`` tensors to the layer's ``KVCache`` when ``scaled``.
+    """
 
     kv_heads: int
     head_dim: int
     v_head_dim: int | None = None  # defaults to head_dim
+    kv_dtype: torch.dtype | None = None
+    scaled: bool = False
+
+    def cache_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
+        return self.kv_dtype or model_dtype
 
     def bytes_per_token(self, dtype: torch.dtype) -> int:
-        return self.kv_heads * (self.head_dim + (self.v_head_dim or self.head_dim)) * _size(dtype)
+        return self.kv_heads * (self.head_dim + (self.v_head_dim or self.head_dim)) * _size(self.cache_dtype(dtype))
 
 
 @dataclass(frozen=True, slots=True)
 class SlidingWindow(FullAttention):
-    """Like ``FullAttention`` but only the last ``window`` tokens are ever read."""
+    """Like ``FullAttention`` but a token only reads the ``window`` latest keys (itself included),
+    so its cache group returns blocks that fall wholly out of the window."""
 
     window: int = 0
 
@@ -35,9 +45,13 @@ class LatentAttention:
 
     kv_lora_rank: int
     rope_dim: int
+    kv_dtype: torch.dtype | None = None
+
+    def cache_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
+        return self.kv_dtype or model_dtype
 
     def bytes_per_token(self, dtype: torch.dtype) -> int:
-        return (self.kv_lora_rank + self.rope_dim) * _size(dtype)
+        return (self.kv_lora_rank + self.rope_dim) * _size(self.cache_dtype(dtype))
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,6 +75,7 @@ class Recurrent:
 
 
 LayerCacheSpec = FullAttention | SlidingWindow | LatentAttention | Recurrent
+PagedSpec = FullAttention | SlidingWindow | LatentAttention  # kept in blocks of the shared pool
 
 
 def _size(dtype: torch.dtype) -> int:

@@ -30,6 +30,7 @@ class EngineConfig:
     cpu_kv_cache_space_gb: float = 4.0  # the KV + state budget when running on the CPU
     num_kv_blocks: int | None = None  # override the planner (tests use it to force preemption)
     enable_prefix_caching: bool = False  # not implemented yet: validate() refuses True
+    num_state_snapshots: int = 0  # recurrent-state snapshot rows kept beside the running slots
     dtype: str = "auto"  # auto: the dtype config.json names
     seed: int = 0
     device: str = "auto"  # auto: cuda if available else cpu

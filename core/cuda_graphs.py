@@ -4,9 +4,11 @@ Graphs are captured largest batch first so smaller ones reuse the pool's memory.
 ``B`` decodes replays the smallest bucket ``>= B``; the padding rows point at a scratch KV block
 and a scratch state slot that the memory pools never hand out, so they compute garbage that
 nothing reads. Models do not know they are captured: in a decode-only batch they must read only
-the device tensors of the ``ForwardBatch`` (its ``*_cpu`` lists are placeholders here).
-A step's inputs are written on the host into pinned buffers laid out like the static ones and
-copied in with three transfers (``stage``), then the graph is replayed (``replay``).
+the device tensors of the ``ForwardBatch`` (its ``*_cpu`` lists are None here, so a host-list
+kernel fails at capture instead of attending to one token). A step's inputs are written on the
+host into pinned buffers laid out like the static ones and copied in with three transfers
+(``stage``), then the graph is replayed (``replay``). Each paged cache group has its own block
+table and slot mapping rows.
 """
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ import logging
 import torch
 
 from armillary.forward_batch import ForwardBatch, LayerCache
-from armillary.sequence import Sequence
+from armillary.step_plan import StepPlan
 
 log = logging.getLogger("armillary")
 
@@ -29,7 +31,7 @@ def graph_buckets(max_batch: int) -> list[int]:
 class CUDAGraphDecoder:
     def __init__(self, model: torch.nn.Module, caches: list[LayerCache | None], max_batch: int,
                  max_blocks_per_seq: int, block_size: int, scratch_block: int, scratch_slot: int,
-                 device: torch.device) -> None:
+                 device: torch.device, num_groups: int = 1) -> None:
         self.max_seq_len = max_blocks_per_seq * block_size
         self.model = model
         self.block_size = block_size
@@ -38,21 +40,29 @@ class CUDAGraphDecoder:
         self.scratch_block = scratch_block
         self.scratch_slot = scratch_slot
         self.buckets = graph_buckets(max_batch)
+        self.num_groups = g = num_groups
+        self.max_blocks = max_blocks_per_seq
         n, dev = max_batch, device
-        # static inputs in two packed buffers, so a decode step stages them with two host-to-device copies
-        self.packed_i64 = torch.zeros(4 * n, dtype=torch.long, device=dev)
+        # static inputs in two packed buffers, so a decode step stages them with two host-to-device copies:
+        # rows ids, positions, state slots, then one slot-mapping row per paged group
+        self.packed_i64 = torch.zeros((3 + g) * n, dtype=torch.long, device=dev)
         self.packed_i32 = torch.zeros(2 * n, dtype=torch.int32, device=dev)
-        self.input_ids, self.positions, self.slot_mapping, self.state_slots = self.packed_i64.view(4, n)
+        rows = self.packed_i64.view(3 + g, n)
+        self.input_ids, self.positions, self.state_slots = rows[0], rows[1], rows[2]
+        self.group_slot_mappings = list(rows[3:])
+        self.slot_mapping = self.group_slot_mappings[0]
         self.context_lens, self.seq_lens = self.packed_i32.view(2, n)
         self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=dev)
-        self.block_tables = torch.zeros(n, max_blocks_per_seq, dtype=torch.int32, device=dev)
+        self.all_block_tables = torch.zeros(g, n, max_blocks_per_seq, dtype=torch.int32, device=dev)
+        self.block_tables = self.all_block_tables[0]
         self.logits_indices = torch.arange(n, dtype=torch.long, device=dev)
         pin = dev.type == "cuda"
         # two sets of pinned staging buffers, alternating: with async scheduling the previous step's
         # copies may still be queued behind the GPU work when the next step is staged
         self.host_buffers = [
-            (torch.zeros(4 * n, dtype=torch.long, pin_memory=pin), torch.zeros(2 * n, dtype=torch.int32, pin_memory=pin),
-             torch.zeros(n * max_blocks_per_seq, dtype=torch.int32, pin_memory=pin))
+            (torch.zeros((3 + g) * n, dtype=torch.long, pin_memory=pin),
+             torch.zeros(2 * n, dtype=torch.int32, pin_memory=pin),
+             torch.zeros(g * n * max_blocks_per_seq, dtype=torch.int32, pin_memory=pin))
             for _ in range(2)
         ]
         self.num_staged = 0
@@ -73,55 +83,65 @@ class CUDAGraphDecoder:
             query_start_loc=self.query_start_loc[: b + 1], context_lens=self.context_lens[:b],
             seq_lens=self.seq_lens[:b], slot_mapping=self.slot_mapping[:b], block_tables=self.block_tables[:b],
             state_slots=self.state_slots[:b], logits_indices=self.logits_indices[:b], caches=self.caches,
-            query_start_loc_cpu=list(range(b + 1)), context_lens_cpu=[0] * b, seq_lens_cpu=[1] * b,
+            query_start_loc_cpu=None, context_lens_cpu=None, seq_lens_cpu=None,
             is_decode_only=True, max_seq_len=self.max_seq_len,
+            group_block_tables=[t[:b] for t in self.all_block_tables],
+            group_slot_mappings=[m[:b] for m in self.group_slot_mappings],
         )
 
     def bucket(self, num_seqs: int) -> int:
         return next(s for s in self.buckets if s >= num_seqs)
 
-    def stage(self, seqs: list[Sequence], input_tokens: torch.Tensor | None = None) -> tuple[ForwardBatch, int]:
-        """Write a decode step's inputs (one new token per sequence) straight into the static buffers:
+    def stage(self, plan: StepPlan) -> tuple[ForwardBatch, int]:
+        """Write a decode step's inputs (one new token per chunk) straight into the static buffers:
         filled on the host, copied with two transfers plus the block-table rows, padding rows included.
 
-        ``input_tokens``: [len(seqs)] device ids still being sampled by the previous step (async
-        scheduling), copied in on the device. Returns the batch of real rows and the bucket to replay.
+        ``plan.input_tokens`` (async scheduling): device ids still being sampled by the previous
+        step, copied in on the device. Returns the batch of real rows and the bucket to replay.
         """
-        b, bs = len(seqs), self.block_size
+        chunks = plan.chunks
+        b, bs, g = len(chunks), self.block_size, self.num_groups
         bucket = self.bucket(b)
         host_i64, host_i32, host_tables = self.host_buffers[self.num_staged % 2]
         self.num_staged += 1
         i64, i32 = host_i64.numpy(), host_i32.numpy()
         n = self.max_batch
-        width = max(len(s.block_table) for s in seqs)
-        tables = host_tables[: b * width].view(b, width)
+        width = max([len(t) for c in chunks for t in c.seq.block_tables], default=1)
+        tables = host_tables[: g * b * width].view(g, b, width)
         tables_np = tables.numpy()
-        for i, seq in enumerate(seqs):
-            pos = seq.num_computed_tokens
-            table = seq.block_table
-            i64[i] = seq.token_ids[pos] if input_tokens is None else 0
+        for i, c in enumerate(chunks):
+            seq, pos = c.seq, c.start
+            i64[i] = seq.token_ids[pos] if plan.input_tokens is None else 0
             i64[n + i] = pos
-            i64[2 * n + i] = table[pos // bs] * bs + pos % bs
-            i64[3 * n + i] = seq.state_slot if seq.state_slot is not None else self.scratch_slot
+            i64[2 * n + i] = seq.state_slot if seq.state_slot is not None else self.scratch_slot
+            for k, table in enumerate(seq.block_tables):
+                i64[(3 + k) * n + i] = table[pos // bs] * bs + pos % bs
+                tables_np[k, i, : len(table)] = table
+                tables_np[k, i, len(table):] = 0
             i32[i] = pos
             i32[n + i] = pos + 1
-            tables_np[i, : len(table)] = table
-            tables_np[i, len(table):] = 0
         self._host_padding(i64, i32, b, bucket)  # rows past the bucket are never read by its graph
         self.packed_i64.copy_(host_i64, non_blocking=True)
         self.packed_i32.copy_(host_i32, non_blocking=True)
-        self.block_tables[:b, :width].copy_(tables, non_blocking=True)
-        if input_tokens is not None:
-            self.input_ids[:b].copy_(input_tokens)
+        self.all_block_tables[:, :b, :width].copy_(tables, non_blocking=True)
+        if plan.input_tokens is not None:
+            self.input_ids[:b].copy_(plan.input_tokens)
         return self._batch(b), bucket
 
     def _host_padding(self, i64, i32, start: int, end: int) -> None:
         """Host rows [start, end): token 0 at position 0 in the scratch block and slot (cached length 0)."""
         n = self.max_batch
-        for base, value in ((0, 0), (n, 0), (2 * n, self.scratch_block * self.block_size), (3 * n, self.scratch_slot)):
+        fills = [(0, 0), (n, 0), (2 * n, self.scratch_slot)]
+        fills += [((3 + k) * n, self.scratch_block * self.block_size) for k in range(self.num_groups)]
+        for base, value in fills:
             i64[base + start: base + end] = value
         i32[start:end] = 0
         i32[n + start: n + end] = 1
+
+    def run(self, plan: StepPlan) -> torch.Tensor:
+        """Stage and replay a decode plan; returns the hidden states of its real rows ``[B, H]``."""
+        _, bucket = self.stage(plan)
+        return self.replay(bucket, len(plan.chunks))
 
     def replay(self, bucket: int, num_seqs: int) -> torch.Tensor:
         """Replay a staged bucket; returns the hidden states of its real rows ``[num_seqs, H]``."""
@@ -133,8 +153,9 @@ class CUDAGraphDecoder:
         self.positions[start:] = 0
         self.context_lens[start:] = 0
         self.seq_lens[start:] = 1
-        self.block_tables[start:] = self.scratch_block
-        self.slot_mapping[start:] = self.scratch_block * self.block_size
+        self.all_block_tables[:, start:] = self.scratch_block
+        for m in self.group_slot_mappings:
+            m[start:] = self.scratch_block * self.block_size
         self.state_slots[start:] = self.scratch_slot
 
     @torch.inference_mode()
@@ -153,6 +174,7 @@ class CUDAGraphDecoder:
         torch.cuda.synchronize()
         log.info("captured decode CUDA graphs for batch sizes %s", self.buckets)
 
-    def can_run(self, seqs: list[Sequence]) -> bool:
-        """A decode step: one new token per sequence, at most the largest bucket of them."""
-        return bool(self.graphs) and len(seqs) <= self.max_batch and all(s.num_new_tokens == 1 for s in seqs)
+    def can_run(self, plan: StepPlan) -> bool:
+        """A decode step: one new token per chunk, no drafts, at most the largest bucket of them."""
+        return (bool(self.graphs) and len(plan.chunks) <= self.max_batch
+                and all(c.num_tokens == 1 and not c.draft_tokens for c in plan.chunks))

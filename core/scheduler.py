@@ -1,26 +1,42 @@
-"""Continuous batching: which sequences run this step and how many of their tokens.
+"""Continuous batching: which sequences run each step, and the one place their progress is recorded.
 
 One token budget per step is shared by decodes (1 token each) and prefill chunks. Running
-sequences go first, oldest first; waiting ones are admitted while the budget, the sequence cap,
-free state slots and free KV blocks allow. When blocks run out, the newest running sequence is
-preempted by recompute: everything it holds is freed and it waits at the front of the queue.
+sequences go first, oldest first; waiting ones are admitted while the budget, the sequence cap
+and the cache coordinator allow. When memory runs out, the newest running sequence is preempted
+by recompute: everything it holds is freed and it waits at the front of the queue. A prefill
+chunk ends early at a position listed in ``seq.chunk_stops`` (block-aligned checkpoints), where
+the step snapshots the recurrent state when the snapshot budget allows.
+
+``schedule()`` returns a ``StepPlan``; after the worker ran it, ``update_from_output(plan,
+output)`` advances ``num_computed_tokens``, trims what was not accepted, returns blocks that
+left a sliding window, appends the sampled tokens and finishes sequences.
 """
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 
-from armillary.memory.block_manager import BlockManager
-from armillary.memory.state_pool import StatePool
+import torch
+
+from armillary.memory.coordinator import CacheCoordinator
 from armillary.sequence import Sequence, SequenceStatus
+from armillary.step_plan import ScheduledChunk, StepOutput, StepPlan
+
+# called for each token appended to a sequence; returns a finish reason ("stop", "length") or None
+TokenCheck = Callable[[Sequence, int], "str | None"]
+
+
+def _length_only(seq: Sequence, token: int) -> str | None:
+    return "length" if seq.num_output_tokens >= seq.max_tokens else None
 
 
 class Scheduler:
-    def __init__(self, max_num_seqs: int, max_num_batched_tokens: int,
-                 blocks: BlockManager, states: StatePool | None) -> None:
+    def __init__(self, max_num_seqs: int, max_num_batched_tokens: int, cache: CacheCoordinator,
+                 check_token: TokenCheck = _length_only) -> None:
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
-        self.blocks = blocks
-        self.states = states  # None for models without recurrent layers
+        self.cache = cache
+        self.check_token = check_token
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -31,16 +47,19 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def schedule(self) -> list[Sequence]:
-        """Pick this step's sequences; each gets ``num_new_tokens`` and the blocks to hold them."""
+    # ---- planning
+
+    def schedule(self) -> StepPlan:
+        """Pick this step's chunks; each sequence gets the cache it needs for them (or is preempted)."""
         budget = self.max_num_batched_tokens
-        scheduled: list[Sequence] = []
+        chunks: list[ScheduledChunk] = []
+        snapshots: list[tuple[int, int]] = []
         preempted = False
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            n = min(seq.num_uncomputed_tokens, budget)
-            while not self.blocks.can_hold(seq, seq.num_computed_tokens + n):
+            n = self._chunk_len(seq, budget)
+            while not self.cache.allocate(seq, seq.num_scheduled_tokens + n):
                 victim = self.running.pop()
                 self._preempt(victim)
                 preempted = True
@@ -48,47 +67,109 @@ class Scheduler:
                     break
             if seq.status is not SequenceStatus.RUNNING:
                 break
-            self._take(seq, n, scheduled)
+            chunks.append(self._chunk(seq, n, snapshots))
             budget -= n
             i += 1
         while self.waiting and budget > 0 and not preempted and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            n = min(seq.num_uncomputed_tokens, budget)
-            if not self.blocks.can_hold(seq, n) or (self.states is not None and self.states.num_free == 0):
+            n = self._chunk_len(seq, budget)
+            if not self.cache.allocate(seq, n):
                 break
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
-            if self.states is not None:
-                seq.state_slot = self.states.allocate()
             self.running.append(seq)
-            self._take(seq, n, scheduled)
+            chunks.append(self._chunk(seq, n, snapshots))
             budget -= n
-        return scheduled
+        return StepPlan(chunks, zero_slots=self.cache.take_fresh_slots(), snapshots=snapshots)
 
-    def schedule_continuation(self, seqs: list[Sequence]) -> bool:
-        """Async scheduling: one more decode token for each of ``seqs``, whose last token the step in
-        flight is still sampling. False (nothing changed) when the blocks for it are not free."""
+    def schedule_continuation(self, seqs: list[Sequence], input_tokens: torch.Tensor) -> StepPlan | None:
+        """Async scheduling: one more decode position for each of ``seqs``, whose input token the
+        step in flight is still sampling (``input_tokens``, on the device). None (nothing changed)
+        when the budget or the free blocks do not allow it: the next synchronous step then decides."""
         if len(seqs) > self.max_num_batched_tokens:
-            return False
-        missing = sum(self.blocks.num_missing(s, s.num_computed_tokens + 1) for s in seqs)
-        if missing > self.blocks.num_free:
-            return False  # the synchronous schedule preempts as it must
+            return None
+        need = sum(self.cache.blocks_needed(s, s.num_scheduled_tokens + 1) for s in seqs)
+        if need > self.cache.pool.num_free:
+            return None
+        chunks = []
         for seq in seqs:
-            self._take(seq, 1, [])
-        return True
+            self.cache.allocate(seq, seq.num_scheduled_tokens + 1)
+            chunks.append(ScheduledChunk(seq, seq.num_scheduled_tokens, 1, sample=True))
+            seq.num_scheduled_tokens += 1
+        return StepPlan(chunks, input_tokens=input_tokens)
 
-    def _take(self, seq: Sequence, n: int, scheduled: list[Sequence]) -> None:
-        self.blocks.grow(seq, seq.num_computed_tokens + n)
-        seq.num_new_tokens = n
-        scheduled.append(seq)
+    def _chunk_len(self, seq: Sequence, budget: int) -> int:
+        start = seq.num_scheduled_tokens
+        n = min(seq.num_unscheduled_tokens, budget)
+        for stop in seq.chunk_stops:
+            if start < stop < start + n:
+                return stop - start
+        return n
+
+    def _chunk(self, seq: Sequence, n: int, snapshots: list[tuple[int, int]]) -> ScheduledChunk:
+        start = seq.num_scheduled_tokens
+        seq.num_scheduled_tokens = start + n
+        end = start + n
+        rec = self.cache.recurrent
+        if end in seq.chunk_stops and rec is not None and end not in seq.snapshots:
+            row = rec.new_snapshot()
+            if row is not None:
+                snapshots.append((seq.state_slot, row))
+                seq.snapshots[end] = row
+        return ScheduledChunk(seq, start, n, sample=end == len(seq))
+
+    # ---- results
+
+    def update_from_output(self, plan: StepPlan, output: StepOutput | None) -> list[Sequence]:
+        """Record what ``plan`` computed and sampled; returns the sequences that got tokens.
+
+        A chunk with drafts computed ``num_tokens`` positions but keeps only the real ones and
+        the accepted drafts (``len(tokens) - 1`` of them): the rest is trimmed as if never run.
+        Sequences that finished or were aborted meanwhile are skipped.
+        """
+        touched: list[Sequence] = []
+        row = 0
+        for chunk in plan.chunks:
+            seq = chunk.seq
+            tokens: list[int] = []
+            r = row
+            if chunk.sample:
+                tokens = output.token_ids[row] if output is not None else []
+                row += 1
+            if seq.status is not SequenceStatus.RUNNING:
+                continue
+            accepted = max(0, len(tokens) - 1) if chunk.draft_tokens else 0
+            computed = chunk.end - len(chunk.draft_tokens) + accepted
+            seq.num_computed_tokens = computed
+            if computed < chunk.end:
+                seq.num_scheduled_tokens = computed
+                self.cache.trim(seq, computed)
+            self.cache.release_stale(seq)
+            if not tokens:
+                continue
+            for j, token in enumerate(tokens):
+                if seq.params.logprobs is not None and output.logprobs is not None:
+                    k = seq.params.logprobs
+                    top = list(zip(output.top_ids[r][j][:k], output.top_logprobs[r][j][:k])) if k else []
+                    seq.logprobs.append((output.logprobs[r][j], top))
+                seq.token_ids.append(token)
+                reason = self.check_token(seq, token)
+                if reason is not None:
+                    self.finish(seq, reason)
+                    break
+            touched.append(seq)
+        return touched
+
+    # ---- freeing
 
     def _release(self, seq: Sequence) -> None:
-        self.blocks.free(seq)
-        if seq.state_slot is not None and self.states is not None:
-            self.states.free(seq.state_slot)
-        seq.state_slot = None
+        self.cache.free(seq)
+        rec = self.cache.recurrent
+        for snapshot in seq.snapshots.values():
+            rec.free_snapshot(snapshot)
+        seq.snapshots.clear()
         seq.num_computed_tokens = 0
-        seq.num_new_tokens = 0
+        seq.num_scheduled_tokens = 0
 
     def _preempt(self, seq: Sequence) -> None:
         self._release(seq)

@@ -21,8 +21,11 @@ _counter = itertools.count()
 class Sequence:
     """``token_ids`` = prompt + output; ``num_computed_tokens`` of them are in the cache.
 
-    A sequence is preempted by recompute: its blocks and slot are freed and
-    ``num_computed_tokens`` returns to 0, keeping its tokens, so it re-prefills them later.
+    Only ``Scheduler.update_from_output`` advances ``num_computed_tokens``; ``num_scheduled_tokens``
+    is where the steps in flight will have brought it (ahead of it while an async step runs).
+    ``block_tables[g]`` lists the blocks of paged cache group ``g``; ``state_slot`` is the recurrent
+    group's slot. A sequence is preempted by recompute: everything it holds is freed and both
+    counts return to 0, keeping its tokens, so it re-prefills them later.
     """
 
     def __init__(self, request_id: str, index: int, prompt_token_ids: list[int], params: SamplingParams,
@@ -35,9 +38,12 @@ class Sequence:
         self.token_ids = list(prompt_token_ids)
         self.num_prompt_tokens = len(prompt_token_ids)
         self.num_computed_tokens = 0
+        self.num_scheduled_tokens = 0
         self.status = SequenceStatus.WAITING
-        self.block_table: list[int] = []
+        self.block_tables: list[list[int]] = []  # per paged cache group; [] until first allocated
         self.state_slot: int | None = None
+        self.chunk_stops: list[int] = []  # ascending positions a prefill chunk must end at (snapshots)
+        self.snapshots: dict[int, int] = {}  # position -> snapshot row holding the state there
         self.eos_token_ids = eos_token_ids
         self.arrival = arrival
         self.max_tokens = max_tokens if max_tokens is not None else params.max_tokens  # output cap
@@ -50,7 +56,6 @@ class Sequence:
             self.generator.manual_seed(seed)
         # per output token: (logprob of the sampled token, [(token_id, logprob), ...] top-k)
         self.logprobs: list[tuple[float, list[tuple[int, float]]]] = []
-        self.num_new_tokens = 0  # scheduled for the current step
 
     def __len__(self) -> int:
         return len(self.token_ids)
@@ -68,8 +73,13 @@ class Sequence:
         return len(self.token_ids) - self.num_prompt_tokens
 
     @property
-    def num_uncomputed_tokens(self) -> int:
-        return len(self.token_ids) - self.num_computed_tokens
+    def num_unscheduled_tokens(self) -> int:
+        return len(self.token_ids) - self.num_scheduled_tokens
+
+    @property
+    def block_table(self) -> list[int]:
+        """The first paged group's blocks (the only group of most models)."""
+        return self.block_tables[0] if self.block_tables else []
 
     @property
     def is_finished(self) -> bool:

@@ -1,87 +1,215 @@
-"""Sizes and allocates the KV block pool and the recurrent-state pool from a model's cache layout."""
+"""Cache groups from a model's cache layout; the pools sized from a byte budget; the tensors allocated.
+
+Paged layers are grouped by spec (full attention, each sliding window, MLA latent). All paged
+groups draw block ids from one pool. With one group, block ``b`` is page ``b`` of every layer's
+tensor. With several (Gemma's 5 sliding : 1 global), each group is split into subgroups of the
+same number of layers ``P`` (the smallest group's count), and layer ``j`` of every subgroup
+shares storage tensor ``j``: a block id is one page at each of the ``P`` storage positions, used
+by whichever subgroup holds it. So a sliding-window block that returns to the pool is memory any
+group can reuse, and no group reserves memory it does not use (vLLM's hybrid allocator, smaller).
+Recurrent layers keep one row per state slot in a single flat buffer, so a snapshot of a slot
+(every recurrent layer at once) is one device copy.
+"""
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
-from armillary.cache_spec import FullAttention, LatentAttention, LayerCacheSpec, Recurrent
+from armillary.cache_spec import FullAttention, LatentAttention, LayerCacheSpec, Recurrent, SlidingWindow
 from armillary.forward_batch import KVCache, LatentCache, LayerCache, RecurrentState
+from armillary.memory.state_pool import StatePool
 
 log = logging.getLogger("armillary")
 GiB = 1 << 30
+_ALIGN = 256  # bytes: each layer's state view starts aligned inside a slot's row
+
+
+@dataclass(slots=True)
+class PagedGroupPlan:
+    """Layers (cache_layout indices) of one paged group; layer ``layers[j]`` uses storage position ``j``."""
+
+    spec: FullAttention | LatentAttention
+    layers: tuple[int, ...]
+
+    @property
+    def window(self) -> int | None:
+        return self.spec.window if isinstance(self.spec, SlidingWindow) else None
 
 
 @dataclass(slots=True)
 class MemoryPlan:
-    num_blocks: int
+    num_blocks: int  # block ids, the reserved scratch block included
     block_size: int
-    num_slots: int
-    bytes_per_block: int  # summed over all paged layers
-    bytes_per_slot: int  # summed over all recurrent layers
+    num_slots: int  # state slots, the scratch slot included
+    bytes_per_block: int  # one block id at every storage position
+    bytes_per_slot: int  # one slot's row: every recurrent layer's states
+    paged_groups: list[PagedGroupPlan] = field(default_factory=list)
+    recurrent_layers: tuple[int, ...] = ()
+    num_snapshots: int = 0  # extra state rows for snapshots
+
+    @property
+    def num_positions(self) -> int:
+        return max((len(g.layers) for g in self.paged_groups), default=0)
 
     def describe(self) -> str:
         kv = self.num_blocks * self.bytes_per_block / GiB
-        st = self.num_slots * self.bytes_per_slot / GiB
-        return (f"{self.num_blocks} KV blocks of {self.block_size} tokens ({kv:.2f} GiB), "
-                f"{self.num_slots} state slots ({st:.2f} GiB)")
+        rows = self.num_slots + self.num_snapshots
+        st = rows * self.bytes_per_slot / GiB
+        groups = ", ".join(f"{type(g.spec).__name__}×{len(g.layers)}" + (f" w{g.window}" if g.window else "")
+                           for g in self.paged_groups)
+        return (f"{self.num_blocks} KV blocks of {self.block_size} tokens ({kv:.2f} GiB; groups: {groups or 'none'}), "
+                f"{self.num_slots} state slots + {self.num_snapshots} snapshots ({st:.2f} GiB)")
 
 
-def bytes_per_block(layout: list[LayerCacheSpec | None], block_size: int, dtype: torch.dtype) -> int:
-    return sum(s.bytes_per_token(dtype) * block_size for s in layout
-               if isinstance(s, (FullAttention, LatentAttention)))
+def _page_shape(spec: FullAttention | LatentAttention, dtype: torch.dtype) -> tuple:
+    if isinstance(spec, LatentAttention):
+        return ("latent", spec.kv_lora_rank + spec.rope_dim, spec.cache_dtype(dtype))
+    return ("kv", spec.kv_heads, spec.head_dim, spec.v_head_dim or spec.head_dim, spec.cache_dtype(dtype), spec.scaled)
+
+
+def group_layers(layout: list[LayerCacheSpec | None], dtype: torch.dtype
+                 ) -> tuple[list[PagedGroupPlan], tuple[int, ...]]:
+    """Paged groups (split to equal layer counts when there are several) and the recurrent layers."""
+    buckets: dict[LayerCacheSpec, list[int]] = {}
+    recurrent: list[int] = []
+    for i, spec in enumerate(layout):
+        if isinstance(spec, (FullAttention, LatentAttention)):
+            buckets.setdefault(spec, []).append(i)
+        elif isinstance(spec, Recurrent):
+            recurrent.append(i)
+        elif spec is not None:
+            raise TypeError(f"unknown cache spec {spec!r}")
+    if len(buckets) > 1:
+        shapes = {_page_shape(s, dtype) for s in buckets}
+        if len(shapes) > 1:
+            raise NotImplementedError(f"paged cache groups with different page shapes {sorted(map(str, shapes))} "
+                                      "cannot share one block pool yet")
+    if not buckets:
+        return [], tuple(recurrent)
+    per = min(len(layers) for layers in buckets.values())
+    groups = [PagedGroupPlan(spec, tuple(layers[i:i + per]))
+              for spec, layers in buckets.items() for i in range(0, len(layers), per)]
+    return groups, tuple(recurrent)
+
+
+def blocks_per_sequence(groups: list[PagedGroupPlan], block_size: int, max_model_len: int,
+                        max_chunk: int) -> int:
+    """Blocks one sequence of ``max_model_len`` tokens may hold at once, over all paged groups."""
+    full = -(-max_model_len // block_size)
+    total = 0
+    for g in groups:
+        if g.window:  # the window behind the chunk's first query, the chunk, one partly stale block
+            total += min(full, -(-(g.window + max_chunk) // block_size) + 1)
+        else:
+            total += full
+    return total
 
 
 def bytes_per_slot(layout: list[LayerCacheSpec | None], dtype: torch.dtype) -> int:
-    return sum(s.bytes_per_slot(dtype) for s in layout if isinstance(s, Recurrent))
+    return sum(_state_offsets(layout, dtype)[1])
+
+
+def _state_offsets(layout: list[LayerCacheSpec | None], dtype: torch.dtype) -> tuple[list[int], list[int]]:
+    """Byte offset and padded size of every recurrent state tensor inside one slot's row."""
+    offsets, sizes, at = [], [], 0
+    for spec in layout:
+        if isinstance(spec, Recurrent):
+            for shape, dt in zip(spec.shapes, spec.dtypes):
+                n = torch.Size(shape).numel() * _size(dt or dtype)
+                padded = -(-n // _ALIGN) * _ALIGN
+                offsets.append(at)
+                sizes.append(padded)
+                at += padded
+    return offsets, sizes
 
 
 def plan_memory(layout: list[LayerCacheSpec | None], *, budget_bytes: int, block_size: int, num_slots: int,
-                dtype: torch.dtype, max_blocks_useful: int, num_blocks_override: int | None = None) -> MemoryPlan:
-    """Slots first (one per running sequence), then as many KV blocks as the rest of the budget holds.
+                dtype: torch.dtype, max_model_len: int, max_num_seqs: int, max_chunk: int,
+                num_blocks_override: int | None = None, num_snapshots: int = 0) -> MemoryPlan:
+    """State rows first (a slot per running sequence, the snapshots), then as many blocks as the rest holds.
 
-    ``max_blocks_useful`` caps the pool at what ``max_num_seqs`` full-length sequences could use.
+    The pool is capped at what ``max_num_seqs`` sequences of ``max_model_len`` could hold and must
+    hold at least one such sequence. Block id 0 and the last slot are scratch space (never handed out).
     """
-    per_block = bytes_per_block(layout, block_size, dtype)
+    groups, recurrent = group_layers(layout, dtype)
+    page = groups[0].spec.bytes_per_token(dtype) * block_size if groups else 0  # one layer's block
+    per_block = page * max((len(g.layers) for g in groups), default=0)
     per_slot = bytes_per_slot(layout, dtype)
+    per_seq = blocks_per_sequence(groups, block_size, max_model_len, max_chunk)
+    useful = max_num_seqs * per_seq + 1  # + the scratch block
     if num_blocks_override is not None:
         num_blocks = num_blocks_override
     elif per_block == 0:
-        num_blocks = max_blocks_useful  # no paged layer: block ids only track positions
+        num_blocks = 1  # no paged layer: only the scratch block
     else:
-        left = budget_bytes - num_slots * per_slot
-        num_blocks = min(max_blocks_useful, left // per_block)
-        if num_blocks < 1:
-            need = (num_slots * per_slot + per_block) / GiB
-            raise MemoryError(f"the cache budget ({budget_bytes / GiB:.2f} GiB) cannot hold {num_slots} state slots "
-                              f"and one KV block ({need:.2f} GiB needed); lower --max-num-seqs or raise the budget")
-    return MemoryPlan(num_blocks, block_size, num_slots, per_block, per_slot)
+        left = budget_bytes - (num_slots + num_snapshots) * per_slot
+        num_blocks = min(useful, max(0, left) // per_block)
+        if num_blocks - 1 < per_seq:
+            need = ((num_slots + num_snapshots) * per_slot + (per_seq + 1) * per_block) / GiB
+            raise MemoryError(
+                f"the cache budget ({budget_bytes / GiB:.2f} GiB) cannot hold one sequence of max_model_len "
+                f"{max_model_len} tokens and {num_slots - 1} state slots ({need:.2f} GiB needed); lower "
+                "--max-model-len or --max-num-seqs, or raise --gpu-memory-utilization / the CPU cache space")
+    return MemoryPlan(num_blocks, block_size, num_slots, per_block, per_slot, groups, recurrent, num_snapshots)
 
 
 def allocate_caches(layout: list[LayerCacheSpec | None], plan: MemoryPlan, dtype: torch.dtype,
-                    device: torch.device) -> tuple[list[LayerCache | None], list[torch.Tensor]]:
-    """Per-layer cache objects plus the flat list of recurrent tensors (for the ``StatePool``)."""
-    caches: list[LayerCache | None] = []
-    state_tensors: list[torch.Tensor] = []
+                    device: torch.device) -> tuple[list[LayerCache | None], StatePool | None]:
+    """Per-layer cache objects (indexed like ``layout``) and the recurrent ``StatePool``.
+
+    Every pool starts zeroed (kernels may read, masked, slots never written). On the CPU the
+    zeros come from calloc, whose large blocks are the OS's zero pages committed on first
+    touch: memory is taken as sequences use it, not at start-up.
+    """
+    def new(*shape: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        if device.type == "cuda":
+            return torch.zeros(*shape, dtype=dtype, device=device)
+        nbytes = torch.Size(shape).numel() * _size(dtype)
+        return torch.from_numpy(np.zeros(nbytes, dtype=np.uint8)).view(dtype).view(*shape)
+
+    caches: list[LayerCache | None] = [None] * len(layout)
     nb, bs = plan.num_blocks, plan.block_size
-    for spec in layout:
-        if isinstance(spec, FullAttention):
-            k = torch.zeros(nb, bs, spec.kv_heads, spec.head_dim, dtype=dtype, device=device)
-            v = torch.zeros(nb, bs, spec.kv_heads, spec.v_head_dim or spec.head_dim, dtype=dtype, device=device)
-            caches.append(KVCache(k, v))
-        elif isinstance(spec, LatentAttention):
-            caches.append(LatentCache(torch.zeros(nb, bs, spec.kv_lora_rank + spec.rope_dim, dtype=dtype, device=device)))
-        elif isinstance(spec, Recurrent):
-            ts = tuple(torch.zeros(plan.num_slots, *shape, dtype=dt or dtype, device=device)
-                       for shape, dt in zip(spec.shapes, spec.dtypes))
-            state_tensors.extend(ts)
-            caches.append(RecurrentState(ts))
-        elif spec is None:
-            caches.append(None)
+    storage: list[tuple[torch.Tensor, ...]] = []
+    spec0 = plan.paged_groups[0].spec if plan.paged_groups else None
+    for _ in range(plan.num_positions):
+        if isinstance(spec0, LatentAttention):
+            storage.append((new(nb, bs, spec0.kv_lora_rank + spec0.rope_dim, dtype=spec0.cache_dtype(dtype),
+                                device=device),))
         else:
-            raise TypeError(f"unknown cache spec {spec!r}")
-    return caches, state_tensors
+            kv_dtype = spec0.cache_dtype(dtype)
+            storage.append((new(nb, bs, spec0.kv_heads, spec0.head_dim, dtype=kv_dtype, device=device),
+                            new(nb, bs, spec0.kv_heads, spec0.v_head_dim or spec0.head_dim, dtype=kv_dtype,
+                                device=device)))
+    for gid, group in enumerate(plan.paged_groups):
+        for j, layer in enumerate(group.layers):
+            if isinstance(group.spec, LatentAttention):
+                caches[layer] = LatentCache(storage[j][0], group=gid)
+            else:
+                scales = (torch.ones((), dtype=torch.float32, device=device),
+                          torch.ones((), dtype=torch.float32, device=device)) if group.spec.scaled else (None, None)
+                caches[layer] = KVCache(storage[j][0], storage[j][1], gid, *scales)
+    for t in storage:  # the scratch block: read (masked) by padding rows and stale window entries
+        for x in t:
+            x[0].zero_()
+    pool = None
+    if plan.recurrent_layers:
+        rows = plan.num_slots + plan.num_snapshots
+        buffer = new(rows, plan.bytes_per_slot, dtype=torch.uint8, device=device)
+        offsets, _ = _state_offsets(layout, dtype)
+        k = 0
+        for i in plan.recurrent_layers:
+            spec = layout[i]
+            views = []
+            for shape, dt in zip(spec.shapes, spec.dtypes):
+                n = torch.Size(shape).numel() * _size(dt or dtype)
+                views.append(buffer[:, offsets[k]:offsets[k] + n].view(dt or dtype).view(rows, *shape))
+                k += 1
+            caches[i] = RecurrentState(tuple(views))
+        pool = StatePool(buffer)
+    return caches, pool
 
 
 def cuda_cache_budget(device: torch.device, utilization: float) -> int:
@@ -91,3 +219,7 @@ def cuda_cache_budget(device: torch.device, utilization: float) -> int:
     stats = torch.cuda.memory_stats(device)
     peak_extra = stats["allocated_bytes.all.peak"] - stats["allocated_bytes.all.current"]
     return int(total * utilization - used - peak_extra)
+
+
+def _size(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()

@@ -1,33 +1,37 @@
-"""Recurrent-state slots (GDN, Mamba-2): one per running sequence, zeroed when handed out."""
+"""Recurrent states on the device (GDN, Mamba-2): one row per slot or snapshot, every layer in the row.
+
+Each recurrent layer's tensors are views ``[rows, *shape]`` into one flat byte buffer, so a
+sequence's whole state (all layers) is one row: zeroing fresh slots and copying slots to
+snapshots and back are one device op each, whatever the number of layers.
+"""
 from __future__ import annotations
 
 import torch
 
 
 class StatePool:
-    """Slot ids ``0..num_slots-1`` over every recurrent layer's ``[num_slots, *shape]`` tensors."""
+    """``buffer: [rows, bytes_per_row]`` uint8; rows are state slots then snapshot rows."""
 
-    def __init__(self, num_slots: int, tensors: list[torch.Tensor]) -> None:
-        self.num_slots = num_slots
-        self.tensors = tensors  # every recurrent layer's state tensors, flattened
-        self.free_ids = list(range(num_slots - 1, -1, -1))  # pop() hands out the lowest id first
+    def __init__(self, buffer: torch.Tensor) -> None:
+        self.buffer = buffer
 
     @property
-    def num_free(self) -> int:
-        return len(self.free_ids)
+    def num_rows(self) -> int:
+        return self.buffer.shape[0]
 
-    @property
-    def num_used(self) -> int:
-        return self.num_slots - len(self.free_ids)
+    def _index(self, rows: list[int]) -> torch.Tensor:
+        return torch.tensor(rows, dtype=torch.long).to(self.buffer.device, non_blocking=True)
 
-    def allocate(self) -> int:
-        """A zeroed slot; the caller checked ``num_free``."""
-        if not self.free_ids:
-            raise RuntimeError("no free state slot")
-        slot = self.free_ids.pop()
-        for t in self.tensors:
-            t[slot].zero_()
-        return slot
+    def zero(self, rows: list[int]) -> None:
+        """Fresh states for sequences that start from nothing."""
+        if rows:
+            self.buffer.index_fill_(0, self._index(rows), 0)
 
-    def free(self, slot: int) -> None:
-        self.free_ids.append(slot)
+    def copy(self, src: list[int], dst: list[int]) -> None:
+        """Row ``dst[i]`` := row ``src[i]`` for all i at once (snapshot, restore); rows must not overlap."""
+        if len(src) != len(dst):
+            raise ValueError("copy needs as many sources as destinations")
+        if src:
+            if set(src) & set(dst):
+                raise ValueError("a state copy's sources and destinations overlap")
+            self.buffer.index_copy_(0, self._index(dst), self.buffer.index_select(0, self._index(src)))

@@ -17,6 +17,7 @@ from armillary.hf_config import HFConfig
 from armillary.registry import PluginRegistry
 from armillary.sampling_params import SamplingParams
 from armillary.sequence import Sequence
+from armillary.step_plan import ScheduledChunk, StepPlan
 
 
 def qwen_registry() -> PluginRegistry:
@@ -47,21 +48,24 @@ class Harness:
     def _sequence(self, seq_id: int) -> Sequence:
         if seq_id not in self.seqs:
             seq = Sequence(str(seq_id), 0, [], SamplingParams())
-            seq.state_slot = self.engine.states.allocate()
             self.seqs[seq_id] = seq
         return self.seqs[seq_id]
 
     @torch.inference_mode()
     def step(self, work: list[tuple[int, list[int]]]) -> torch.Tensor:
-        seqs = []
+        chunks = []
+        cache = self.engine.cache
         for seq_id, tokens in work:
             seq = self._sequence(seq_id)
+            start = len(seq)
             seq.token_ids.extend(tokens)
-            seq.num_new_tokens = len(tokens)
-            self.engine.blocks.grow(seq, len(seq))
-            seqs.append(seq)
-        batch, _ = self.engine.runner.prepare(seqs)
+            assert cache.allocate(seq, len(seq))
+            chunks.append(ScheduledChunk(seq, start, len(tokens), sample=True))
+        plan = StepPlan(chunks, zero_slots=cache.take_fresh_slots())
+        runner = self.engine.runner
+        runner.states.zero(plan.zero_slots)
+        batch = runner.prepare(plan)
         hidden = self.model(batch)
-        for seq in seqs:
-            seq.num_computed_tokens = len(seq)
+        for seq in self.seqs.values():
+            seq.num_computed_tokens = seq.num_scheduled_tokens = len(seq)
         return self.model.compute_logits(hidden[batch.logits_indices])

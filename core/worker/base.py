@@ -1,0 +1,42 @@
+"""The contract between the engine and the workers that run a model on one device each."""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+from armillary.cache_spec import LayerCacheSpec
+from armillary.memory.planner import MemoryPlan
+from armillary.model_base import CausalLM
+from armillary.model_runner import LaunchedStep
+from armillary.parallel import ParallelContext
+from armillary.step_plan import StepPlan
+
+
+class Worker(ABC):
+    """One device's (one rank's) share of a model: the model, its caches, its CUDA graphs and the sampler.
+
+    The engine calls, in order: ``load_model()``; ``cache_budget(layout)`` (bytes this device can
+    give the caches, measured after the weights and a warm-up forward); ``init_caches(layout, plan)``
+    with the one plan made from every worker's budget; then ``launch(plan)`` once per step. Workers
+    decide nothing about scheduling: a ``StepPlan`` says what to compute, the worker executes its
+    cache operations, forward and sampling, and hands back a ``LaunchedStep`` whose ``wait()``
+    gives the host ``StepOutput`` (the driver rank's; other ranks return theirs unread). Tensor
+    parallelism adds workers behind this interface without changing the engine.
+    """
+
+    parallel: ParallelContext
+
+    @abstractmethod
+    def load_model(self) -> CausalLM:
+        """Build the model for ``parallel`` on this device and fill its weights."""
+
+    @abstractmethod
+    def cache_budget(self, layout: list[LayerCacheSpec | None]) -> int:
+        """Bytes this device can spend on KV blocks and state rows."""
+
+    @abstractmethod
+    def init_caches(self, layout: list[LayerCacheSpec | None], plan: MemoryPlan) -> None:
+        """Allocate the caches ``plan`` describes; capture CUDA graphs where they are used."""
+
+    @abstractmethod
+    def launch(self, plan: StepPlan) -> LaunchedStep:
+        """Enqueue one step; the result is read with ``LaunchedStep.wait()``."""
