@@ -112,6 +112,7 @@ def _chunk_forward(
         k, w, u, g_cum, cu, chunks.first_chunk,
         initial_state if initial_state is not None else final_state, final_state,
         state_index if state_index is not None else cu, chunk_states, deltas, k.stride(0),
+        (initial_state if initial_state is not None else final_state).stride(0), final_state.stride(0),
         BK=bk, BV=state_bv, HAS_INITIAL=initial_state is not None, HAS_INDEX=state_index is not None, **dims,
         num_warps=cfg["state_warps"], num_stages=cfg["state_stages"],
     )

@@ -16,13 +16,14 @@ import triton.language as tl
 
 @triton.jit
 def chunk_state_kernel(
-    k, w, u, g_cum, cu_seqlens, first_chunk, h0, ht, state_index, chunk_states, deltas, stride_k,
+    k, w, u, g_cum, cu_seqlens, first_chunk, h0, ht, state_index, chunk_states, deltas, stride_k, stride_h0, stride_ht,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
     HAS_INITIAL: tl.constexpr, HAS_INDEX: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """One (V tile, sequence · value head): chunk_states [chunks, HV, K, V] and deltas [T, HV, V];
-    reads the start state from h0[index] and writes the final one to ht[index] (index = slot or n)."""
+    reads the start state from h0[index] and writes the final one to ht[index] (index = slot or n);
+    a state row may be strided (rows of the flat state buffer), each row's [HV, K, V] contiguous."""
     i_v = tl.program_id(0)
     i_nh = tl.program_id(1)
     seq = i_nh // HV
@@ -40,7 +41,7 @@ def chunk_state_kernel(
     m_kv = (o_k < K)[:, None] & (o_v < V)[None, :]
     tile = i_h * K * V + o_k[:, None] * V + o_v[None, :]  # [BK, BV] inside one [HV, K, V] state
     if HAS_INITIAL:
-        s = tl.load(h0 + index * HV * K * V + tile, mask=m_kv, other=0.0).to(tl.float32)
+        s = tl.load(h0 + index * stride_h0 + tile, mask=m_kv, other=0.0).to(tl.float32)
     else:
         s = tl.zeros([BK, BV], dtype=tl.float32)
 
@@ -62,7 +63,7 @@ def chunk_state_kernel(
         d = tl.where(m_t[:, None], d * tl.exp2(c_last - c)[:, None], 0.0)
         b_kt = tl.load(k + tok[None, :] * stride_k + o_k[:, None], mask=(o_k < K)[:, None] & m_t[None, :], other=0.0)
         s = s * tl.exp2(c_last) + tl.dot(b_kt, d.to(dt), input_precision=DOT_PRECISION)
-    tl.store(ht + index * HV * K * V + tile, s, mask=m_kv)
+    tl.store(ht + index * stride_ht + tile, s, mask=m_kv)
 
 
 @triton.jit
