@@ -32,6 +32,35 @@ def new_tool_call_id() -> str:
     return "call_" + "".join(secrets.choice(_ID_ALPHABET) for _ in range(24))
 
 
+class BufferedMachine(ABC):
+    """A parser that keeps undecided text in ``self._buf`` and moves on in ``_advance(events, final)``.
+
+    ``feed`` appends a delta and advances; ``finish`` advances in final mode, then ``_flush``
+    handles whatever final mode left (default: nothing). Put it first among a parser's bases.
+    """
+
+    _buf: str
+
+    def feed(self, delta: str) -> list[ParserEvent]:
+        self._buf += delta
+        events: list[ParserEvent] = []
+        self._advance(events, final=False)
+        return events
+
+    def finish(self) -> list[ParserEvent]:
+        events: list[ParserEvent] = []
+        self._advance(events, final=True)
+        self._flush(events)
+        return events
+
+    @abstractmethod
+    def _advance(self, events: list[ParserEvent], final: bool) -> None:
+        """Emit every event the buffer now decides; in final mode decide everything possible."""
+
+    def _flush(self, events: list[ParserEvent]) -> None:
+        return None
+
+
 class ReasoningParser(ABC):
     """Splits model output into reasoning and content.
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Callable
 
-from armillary.parsers.base import ToolParser
+from armillary.parsers.base import BufferedMachine, ToolParser
 from armillary.parsers.events import ParserEvent, TextDelta
 from armillary.parsers.json_calls import CallStatus, JsonArgumentsReader, JsonCallReader
 from armillary.parsers.json_grammar import forced_json_grammar
@@ -27,7 +27,7 @@ class _F(enum.Enum):
     TEXT = "text"  # after the JSON (or instead of it): content
 
 
-class ForcedJsonToolParser(ToolParser):
+class ForcedJsonToolParser(BufferedMachine, ToolParser):
     """Reads the array form, or with ``single`` (a tool name) the bare arguments form of ``forced_json_grammar``."""
 
     def __init__(self, tools: list[dict] | None, id_generator: Callable[[], str] | None = None,
@@ -42,17 +42,6 @@ class ForcedJsonToolParser(ToolParser):
     @classmethod
     def tool_call_grammar(cls, tools: list[dict], constraint: ToolCallConstraint) -> StructuredSpec:
         return forced_json_grammar(tools, constraint)
-
-    def feed(self, delta: str) -> list[ParserEvent]:
-        self._buf += delta
-        events: list[ParserEvent] = []
-        self._advance(events, final=False)
-        return events
-
-    def finish(self) -> list[ParserEvent]:
-        events: list[ParserEvent] = []
-        self._advance(events, final=True)
-        return events
 
     def _allocate(self, name: str) -> tuple[int, str]:
         index = self._calls

@@ -23,7 +23,7 @@ import enum
 from collections.abc import Callable
 from typing import ClassVar
 
-from armillary.parsers.base import ToolParser
+from armillary.parsers.base import BufferedMachine, ToolParser
 from armillary.parsers.events import ParserEvent, TextDelta
 from armillary.parsers.json_calls import CallStatus, JsonCallReader
 from armillary.parsers.json_grammar import hermes_call_grammar, llama3_json_call_grammar
@@ -36,7 +36,7 @@ PYTHON_TAG = "<|python_tag|>"
 _WHITESPACE = " \t\r\n"
 
 
-class _JsonToolParser(ToolParser):
+class _JsonToolParser(BufferedMachine, ToolParser):
     """What both formats share: call numbering, content emission, the call reader."""
 
     def __init__(self, tools: list[dict] | None, id_generator: Callable[[], str] | None = None) -> None:
@@ -70,17 +70,6 @@ class _JsonToolParser(ToolParser):
             self._buf = self._raw + reader.raw + self._buf
             self._raw = ""
         return reader.status
-
-    def feed(self, delta: str) -> list[ParserEvent]:
-        self._buf += delta
-        events: list[ParserEvent] = []
-        self._advance(events, final=False)
-        return events
-
-    def finish(self) -> list[ParserEvent]:
-        events: list[ParserEvent] = []
-        self._advance(events, final=True)
-        return events
 
     def _advance(self, events: list[ParserEvent], final: bool) -> None:
         raise NotImplementedError

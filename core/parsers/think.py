@@ -4,7 +4,7 @@ from __future__ import annotations
 import enum
 from typing import ClassVar
 
-from armillary.parsers.base import ReasoningParser
+from armillary.parsers.base import BufferedMachine, ReasoningParser
 from armillary.parsers.events import ParserEvent, ReasoningDelta, TextDelta
 from armillary.parsers.scan import find_first_tag, partial_tag_len, undecided_prefix
 
@@ -15,7 +15,7 @@ class _State(enum.Enum):
     CONTENT = "content"
 
 
-class ThinkReasoningParser(ReasoningParser):
+class ThinkReasoningParser(BufferedMachine, ReasoningParser):
     """Reasoning between ``start_tag`` and ``end_tag``; everything after the end tag is content.
 
     - ``thinking_open=True``: the output starts inside reasoning (the template wrote the start
@@ -48,19 +48,10 @@ class ThinkReasoningParser(ReasoningParser):
     def prompt_opens_reasoning(cls, prompt: str) -> bool:
         return prompt.rfind(cls.start_tag) > prompt.rfind(cls.end_tag)
 
-    def feed(self, delta: str) -> list[ParserEvent]:
-        self._buf += delta
-        events: list[ParserEvent] = []
-        self._advance(events, final=False)
-        return events
-
-    def finish(self) -> list[ParserEvent]:
-        events: list[ParserEvent] = []
-        self._advance(events, final=True)
+    def _flush(self, events: list[ParserEvent]) -> None:
         if self._buf:  # final mode leaves only what could not be decided: release it as is
             events.append(ReasoningDelta(self._buf) if self._state is _State.REASONING else TextDelta(self._buf))
             self._buf = ""
-        return events
 
     def _advance(self, events: list[ParserEvent], final: bool) -> None:
         while True:

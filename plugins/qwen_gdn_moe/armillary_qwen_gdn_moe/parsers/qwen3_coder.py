@@ -20,7 +20,7 @@ from collections.abc import Callable
 from typing import ClassVar
 
 from armillary.parsers.arg_types import convert_argument, is_string_schema
-from armillary.parsers.base import ToolParser
+from armillary.parsers.base import BufferedMachine, ToolParser
 from armillary.parsers.events import ParserEvent, TextDelta, ToolCallArgsDelta, ToolCallEnd, ToolCallStart
 from armillary.parsers.scan import find_first_tag, partial_tag_len, undecided_prefix
 from armillary.structured.spec import StructuredSpec, ToolCallConstraint
@@ -54,7 +54,7 @@ def _drop_one_trailing_newline(text: str) -> str:
     return text[:-1] if text.endswith("\n") else text
 
 
-class Qwen3CoderToolParser(ToolParser):
+class Qwen3CoderToolParser(BufferedMachine, ToolParser):
     """qwen3_coder tool calls as ``ToolCallStart`` / ``ToolCallArgsDelta`` / ``ToolCallEnd`` events.
 
     Arguments are a JSON object written with ``json.dumps`` separators (``", "``, ``": "``) and
@@ -106,19 +106,10 @@ class Qwen3CoderToolParser(ToolParser):
     def tool_call_grammar(cls, tools: list[dict], constraint: ToolCallConstraint) -> StructuredSpec:
         return qwen3_coder_call_grammar(tools, constraint)
 
-    def feed(self, delta: str) -> list[ParserEvent]:
-        self._buf += delta
-        events: list[ParserEvent] = []
-        self._advance(events, final=False)
-        return events
-
-    def finish(self) -> list[ParserEvent]:
-        events: list[ParserEvent] = []
-        self._advance(events, final=True)
+    def _flush(self, events: list[ParserEvent]) -> None:
         if self._state is _State.FUNCTION_BODY:  # final mode leaves a started call here: close it
             self._close_call(events)
             self._state = _State.TEXT
-        return events
 
     # -- the state machine ---------------------------------------------------------------------
 
