@@ -1,15 +1,16 @@
-"""The reference paged attention's batched decode path equals its per-sequence path."""
+"""The reference paged attention: its batched decode path and its fused (SDPA) prefill path equal the
+explicit float32 math, windowed too."""
 from __future__ import annotations
 
 import pytest
 import torch
 
 from armillary.forward_batch import KVCache
-from armillary.kernels.attention import paged_attention
+from armillary.kernels.attention import attend_explicit, attend_fused, gather_kv, paged_attention
 
 
 @pytest.mark.parametrize("window", [None, 5])
-def test_batched_decode_equals_one_sequence_at_a_time(window):
+def test_batched_decode_equals_explicit_math_per_sequence(window):
     torch.manual_seed(0)
     nb, bs, hkv, hq, d = 12, 4, 2, 6, 20
     cache = KVCache(torch.randn(nb, bs, hkv, d), torch.randn(nb, bs, hkv, d))
@@ -20,4 +21,51 @@ def test_batched_decode_equals_one_sequence_at_a_time(window):
     for b in range(3):
         alone = paged_attention(q[b:b + 1], cache, tables[b:b + 1], [0, 1], seq_lens[b:b + 1], 0.3,
                                 sliding_window=window)
-        torch.testing.assert_close(batched[b:b + 1], alone, rtol=1e-5, atol=1e-5)
+        k, v = gather_kv(cache, tables[b], seq_lens[b])
+        want = attend_explicit(q[b:b + 1], k, v, 0.3, window)
+        torch.testing.assert_close(batched[b:b + 1], want, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(alone, want, rtol=1e-5, atol=1e-5)
+
+
+# (new tokens, cached + new): a fresh prompt, a chunk after cached context, one decode token
+@pytest.mark.parametrize("n,length", [(13, 13), (6, 19), (1, 17)])
+@pytest.mark.parametrize("window", [None, 4, 13, 40])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_equals_explicit(n, length, window, dtype):
+    torch.manual_seed(n * 100 + length)
+    hq, hkv, d = 6, 2, 24
+    q, k, v = (torch.randn(t, h, d).to(dtype) for t, h in ((n, hq), (length, hkv), (length, hkv)))
+    want = attend_explicit(q, k, v, 0.2, window)
+    got = attend_fused(q, k, v, 0.2, window)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(got, want, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("window", [None, 7])
+def test_paged_varlen_equals_explicit_per_sequence(window):
+    """A mixed step (fresh prompt, chunk after context, a decode) over scattered blocks, windowed or not,
+    against the explicit math on each sequence's gathered keys; the soft-capped path too."""
+    torch.manual_seed(1)
+    nb, bs, hkv, hq, d = 16, 4, 2, 4, 16
+    cache = KVCache(torch.randn(nb, bs, hkv, d), torch.randn(nb, bs, hkv, d))
+    tables = torch.tensor([[3, 7, 1, 0, 0], [5, 2, 9, 11, 12], [4, 6, 8, 10, 0]], dtype=torch.int32)
+    qsl, seq_lens = [0, 10, 16, 17], [10, 18, 14]
+    q = torch.randn(qsl[-1], hq, d)
+    for softcap in (None, 5.0):
+        got = paged_attention(q, cache, tables, qsl, seq_lens, 0.25, window, softcap)
+        for b in range(3):
+            k, v = gather_kv(cache, tables[b], seq_lens[b])
+            want = attend_explicit(q[qsl[b]:qsl[b + 1]], k, v, 0.25, window, softcap)
+            torch.testing.assert_close(got[qsl[b]:qsl[b + 1]], want, rtol=1e-5, atol=1e-5)
+
+
+def test_window_convention_is_transformers_mistral():
+    """Query at position p sees keys p - window + 1 .. p: exactly ``window`` keys once p >= window - 1."""
+    length, window = 9, 3
+    q = torch.zeros(length, 1, 4)  # equal scores: the output is the mean of the visible values
+    k = torch.zeros(length, 1, 4)
+    v = torch.arange(length, dtype=torch.float32)[:, None, None].expand(length, 1, 4).contiguous()
+    out = attend_fused(q, k, v, 1.0, window)[:, 0, 0]
+    want = torch.tensor([sum(range(max(0, p - window + 1), p + 1)) / min(p + 1, window) for p in range(length)])
+    torch.testing.assert_close(out, want)
+    torch.testing.assert_close(attend_explicit(q, k, v, 1.0, window)[:, 0, 0], want)

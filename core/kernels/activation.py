@@ -38,7 +38,7 @@ def get_activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
 def act_and_mul(x: torch.Tensor, activation: str = "silu") -> torch.Tensor:
     """Gated activation over a fused projection. x: [..., 2I] = [gate | up] -> [..., I]."""
     gate, up = x.chunk(2, dim=-1)
-    return get_activation(activation)(gate) * up
+    return get_activation(activation)(gate).mul_(up)  # in place on the activation's fresh output
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:

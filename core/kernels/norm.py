@@ -11,11 +11,11 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centered: b
     x: [..., D]; weight: [D]. Normalises over the last dim in float32; returns x's dtype.
     """
     xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    out = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)  # a new tensor: x itself is never written
     w = weight.float()
     if zero_centered:
         w = w + 1.0
-    return (xf * w).to(x.dtype)
+    return out.mul_(w).to(x.dtype)
 
 
 def gated_rms_norm(

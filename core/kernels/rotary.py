@@ -24,12 +24,18 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interlea
     returns x's dtype.
     """
     half = cos.shape[-1]
-    rot, rest = x[..., : 2 * half].float(), x[..., 2 * half :]
     c, s = cos[:, None, :], sin[:, None, :]  # [T, 1, half]
     if interleaved:
+        rot, rest = x[..., : 2 * half].float(), x[..., 2 * half :]
         x1, x2 = rot[..., 0::2], rot[..., 1::2]
         rotated = torch.stack((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).flatten(-2)
-    else:
-        x1, x2 = rot[..., :half], rot[..., half:]
-        rotated = torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
-    return torch.cat((rotated.to(x.dtype), rest), dim=-1)
+        return torch.cat((rotated.to(x.dtype), rest), dim=-1)
+    # neox: each half written in place into one float32 buffer (no concatenations; same roundings)
+    out = torch.empty(x.shape, dtype=torch.float32, device=x.device)
+    x1, x2 = x[..., :half].float(), x[..., half : 2 * half].float()
+    o1, o2 = out[..., :half], out[..., half : 2 * half]
+    torch.mul(x1, c, out=o1).sub_(x2 * s)
+    torch.mul(x2, c, out=o2).add_(x1 * s)
+    if 2 * half < x.shape[-1]:
+        out[..., 2 * half :] = x[..., 2 * half :]  # partial rotary: the rest passes through unchanged
+    return out.to(x.dtype)

@@ -11,6 +11,9 @@ from armillary.hookspecs import hookimpl
 def armillary_register_architectures(registry) -> None:
     registry.register("llama", ["LlamaForCausalLM"], "armillary_llama.model:LlamaForCausalLM",
                       description="Llama (1/2/3.x), SmolLM, TinyLlama: dense decoders")
+    # no default tool or reasoning parser: Mistral's [TOOL_CALLS] format has no parser here yet
+    registry.register("mistral", ["MistralForCausalLM"], "armillary_llama.model:MistralForCausalLM",
+                      description="Mistral (7B v0.1-v0.3 and alike): llama with sliding-window attention")
 
 
 @hookimpl

@@ -1,7 +1,9 @@
-"""``LlamaForCausalLM`` on armillary's contract: packed ``ForwardBatch`` in, final-normed hidden states out.
+"""``LlamaForCausalLM`` and ``MistralForCausalLM``: packed ``ForwardBatch`` in, final-normed hidden states out.
 
-Parameter names follow Hugging Face's (``model.layers.N.self_attn...``) except the two fused
-projections, so ``load_weights`` maps a safetensors checkpoint and a dequantized GGUF alike.
+Mistral is llama with ``sliding_window``: its windowed layers keep ``SlidingWindow`` caches and attend
+to the last ``window`` positions. Parameter names follow Hugging Face's (``model.layers.N.self_attn...``)
+except the two fused projections, so ``load_weights`` maps a safetensors checkpoint and a dequantized
+GGUF alike.
 """
 from __future__ import annotations
 
@@ -9,17 +11,17 @@ import logging
 from collections.abc import Iterable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.nn.utils import skip_init
 
-from armillary.cache_spec import FullAttention, LayerCacheSpec
+from armillary.cache_spec import FullAttention, LayerCacheSpec, SlidingWindow
 from armillary.errors import WeightLoadError
 from armillary.forward_batch import ForwardBatch
 from armillary.hf_config import HFConfig
+from armillary.kernels import ops
 from armillary.kernels.rotary import rotary_cos_sin
 from armillary.model_base import CausalLM
-from armillary_llama.config import LlamaArgs
+from armillary_llama.config import LlamaArgs, config_warnings
 from armillary_llama.layers import LlamaDecoderLayer, RMSNorm, linear
 from armillary_llama.rope import llama_inv_freq
 
@@ -39,16 +41,20 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.embed_tokens = skip_init(nn.Embedding, args.vocab_size, args.hidden_size,
                                       device=torch.get_default_device())
-        self.layers = nn.ModuleList(LlamaDecoderLayer(args) for _ in range(args.num_layers))
+        self.layers = nn.ModuleList(LlamaDecoderLayer(args, i) for i in range(args.num_layers))
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
 
 
 class LlamaForCausalLM(CausalLM):
     """Built as ``cls(hf_config)`` under ``torch.device(device)`` and the model's default dtype."""
 
+    hf_architecture = "LlamaForCausalLM"
+
     def __init__(self, hf_config: HFConfig) -> None:
         super().__init__()
         self.args = LlamaArgs.from_hf(hf_config)
+        for line in config_warnings(hf_config, self.hf_architecture):
+            log.warning("%s", line)
         self.model = LlamaModel(self.args)
         self.lm_head = None if self.args.tie_word_embeddings else linear(self.args.hidden_size, self.args.vocab_size, False)
         self.register_buffer("inv_freq", llama_inv_freq(self.args.rope, self.args.head_dim), persistent=False)
@@ -57,18 +63,21 @@ class LlamaForCausalLM(CausalLM):
     @classmethod
     def cache_layout(cls, hf_config: HFConfig) -> list[LayerCacheSpec | None]:
         args = LlamaArgs.from_hf(hf_config)
-        return [FullAttention(args.num_kv_heads, args.head_dim) for _ in range(args.num_layers)]
+        return [FullAttention(args.num_kv_heads, args.head_dim) if window is None
+                else SlidingWindow(args.num_kv_heads, args.head_dim, window=window)
+                for window in args.sliding_windows]
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         x = self.model.embed_tokens(batch.input_ids)  # [T, H]
         cos, sin = rotary_cos_sin(batch.positions, self.inv_freq)  # [T, head_dim // 2] each
+        residual = None
         for layer, cache in zip(self.model.layers, batch.caches):
-            x = layer(x, batch, cache, cos, sin)
-        return self.model.norm(x)
+            x, residual = layer(x, residual, batch, cache, cos, sin)
+        return self.model.norm.add(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        return ops.linear(hidden, weight).float()
 
     def _shard_rows(self, fused: str, shard: int) -> tuple[int, int]:
         """(first row, row count) of one checkpoint projection inside a fused parameter."""
@@ -111,3 +120,9 @@ def _copy(name: str, dest: torch.Tensor, tensor: torch.Tensor) -> None:
         raise WeightLoadError(f"checkpoint tensor {name!r} has shape {list(tensor.shape)}, the model expects "
                               f"{list(dest.shape)}")
     dest.copy_(tensor)
+
+
+class MistralForCausalLM(LlamaForCausalLM):
+    """Mistral: llama whose ``sliding_window`` (None = full attention) windows every layer."""
+
+    hf_architecture = "MistralForCausalLM"

@@ -1,16 +1,18 @@
 """SmolLM2-135M-Instruct (Q4_1 GGUF) on the CPU: armillary against transformers on the same file.
 
-    python plugins/llama/bench/smollm2_cpu.py [--threads N] [--new-tokens 64]
+    python plugins/llama/bench/smollm2_cpu.py [--threads N] [--new-tokens 64] [--prompt-tokens 2039] [--repeats 3]
 
 Measures, in one run:
-- ``armillary serve`` with no arguments: wall time from spawning it to its first answered chat
-  request over HTTP;
+- ``armillary serve`` with no arguments: wall time from spawning it to ``GET /health`` answering 200,
+  and to its first answered chat request over HTTP;
 - time to first answer: a fresh ``python`` process that imports the library, loads the GGUF, and
   answers one chat turn greedily (wall time from spawning it to the answer being printed);
+- prefill: one ``--prompt-tokens`` prompt to its first generated token;
 - decode tokens/s at batch 1 and batch 8 (greedy, ``--new-tokens`` new tokens, EOS suppressed on both
   sides): (time for N new tokens - time for 1 new token) over (N - 1) x batch tokens.
-transformers needs ``accelerate`` to load a GGUF. Prints a table; the machine's load average is shown
-because other processes on a small box move these numbers.
+Both engines live in this process and take turns, each measurement repeated ``--repeats`` times (the
+best is shown), so a shared machine's load hits both alike; the ratio column is armillary's time
+over transformers' (below 1: armillary is faster). transformers needs ``accelerate`` to load a GGUF.
 """
 from __future__ import annotations
 
@@ -24,6 +26,8 @@ import torch
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 PROMPT = [{"role": "user", "content": "Write a short story about a robot who learns to paint."}]
+LONG_TEXT = ("The robot stood before the canvas, brush in hand, and considered the colours of the morning sky. "
+             "Every day it had watched the light change over the harbour, recording wavelengths and angles. ")
 
 _FIRST_ANSWER = {
     "armillary": """
@@ -53,8 +57,8 @@ def time_to_first_answer(engine: str, threads: int) -> tuple[float, str]:
     return time.perf_counter() - start, done.stdout.strip().splitlines()[-1]
 
 
-def serve_to_first_answer() -> tuple[float, str]:
-    """Wall time from spawning ``armillary serve`` (no arguments) to its first chat answer over HTTP."""
+def serve_start_up() -> tuple[float, float, str]:
+    """(seconds to a 200 from /health, seconds to the first chat answer, that answer) for ``armillary serve``."""
     import re
     import tempfile
 
@@ -65,85 +69,125 @@ def serve_to_first_answer() -> tuple[float, str]:
         proc = subprocess.Popen([sys.executable, "-m", "armillary.cli", "serve", "--port", "0"], stdout=log,
                                 stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
         try:
-            url = None
-            while url is None:
+            url, healthy = None, None
+            while healthy is None:
                 if proc.poll() is not None or time.perf_counter() - start > 300:
                     log.seek(0)
-                    raise RuntimeError(f"armillary serve did not start:\n{log.read()}")
-                time.sleep(0.05)
-                log.seek(0)
-                found = re.search(r"listening on (http://\S+)", log.read())
-                url = found.group(1) if found else None
+                    raise RuntimeError(f"armillary serve did not become healthy:\n{log.read()}")
+                time.sleep(0.02)
+                if url is None:
+                    log.seek(0)
+                    found = re.search(r"listening on (http://\S+)", log.read())
+                    url = found.group(1) if found else None
+                    continue
+                try:
+                    if httpx.get(f"{url}/health", timeout=5).status_code == 200:
+                        healthy = time.perf_counter() - start
+                except httpx.HTTPError:
+                    pass
             reply = httpx.post(f"{url}/v1/chat/completions", timeout=120, json={
                 "model": "SmolLM2-135M-Instruct", "messages": QUESTION, "temperature": 0, "max_tokens": 32}).json()
-            return time.perf_counter() - start, reply["choices"][0]["message"]["content"]
+            return healthy, time.perf_counter() - start, reply["choices"][0]["message"]["content"]
         finally:
             proc.terminate()
             proc.wait(30)
 
 
-def armillary_decode(path, batch_sizes: list[int], new_tokens: int) -> dict[int, float]:
-    from armillary import LLM, SamplingParams
+class Armillary:
+    name = "armillary"
 
-    llm = LLM(model=str(path), dtype="float32", max_model_len=2048, max_num_seqs=max(batch_sizes),
-              cpu_kv_cache_space_gb=1)
-    prompt = llm.get_tokenizer().encode(llm.get_tokenizer().apply_chat_template(PROMPT))
-    llm.generate([{"prompt_token_ids": prompt}], SamplingParams(temperature=0.0, max_tokens=4))  # warm-up
-    rates = {}
-    for batch in batch_sizes:
-        elapsed = {}
-        for n in (1, new_tokens):
-            params = SamplingParams(temperature=0.0, max_tokens=n, min_tokens=n)
-            start = time.perf_counter()
-            llm.generate([{"prompt_token_ids": prompt}] * batch, params)
-            elapsed[n] = time.perf_counter() - start
-        rates[batch] = batch * (new_tokens - 1) / (elapsed[new_tokens] - elapsed[1])
-    return rates
+    def __init__(self, path, max_batch: int) -> None:
+        from armillary import LLM
+
+        self.llm = LLM(model=str(path), dtype="float32", max_model_len=2048, max_num_seqs=max_batch,
+                       cpu_kv_cache_space_gb=1)
+
+    def run(self, prompt: list[int], batch: int, new_tokens: int) -> float:
+        from armillary import SamplingParams
+
+        params = SamplingParams(temperature=0.0, max_tokens=new_tokens, min_tokens=new_tokens)
+        start = time.perf_counter()
+        self.llm.generate([{"prompt_token_ids": prompt}] * batch, params)
+        return time.perf_counter() - start
 
 
-def transformers_decode(path, batch_sizes: list[int], new_tokens: int) -> dict[int, float]:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+class Transformers:
+    name = "transformers"
 
-    tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
-    prompt = tok.apply_chat_template(PROMPT, add_generation_prompt=True, return_tensors="pt", return_dict=True)
-    model.generate(**prompt, max_new_tokens=4, do_sample=False)  # warm-up
-    rates = {}
-    for batch in batch_sizes:
-        inputs = {k: v.repeat(batch, 1) for k, v in prompt.items()}
-        elapsed = {}
-        for n in (1, new_tokens):
-            start = time.perf_counter()
-            with torch.no_grad():
-                model.generate(**inputs, max_new_tokens=n, min_new_tokens=n, do_sample=False,
-                               pad_token_id=tok.pad_token_id)
-            elapsed[n] = time.perf_counter() - start
-        rates[batch] = batch * (new_tokens - 1) / (elapsed[new_tokens] - elapsed[1])
-    return rates
+    def __init__(self, path) -> None:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        self.tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+        self.model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
+                                                          dtype=torch.float32).eval()
+
+    def run(self, prompt: list[int], batch: int, new_tokens: int) -> float:
+        ids = torch.tensor([prompt] * batch)
+        start = time.perf_counter()
+        with torch.no_grad():
+            self.model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+                                min_new_tokens=new_tokens, do_sample=False, pad_token_id=self.tok.pad_token_id)
+        return time.perf_counter() - start
+
+
+def measure(engines, chat_prompt: list[int], long_prompt: list[int], new_tokens: int, repeats: int) -> dict:
+    """Per engine: best prefill seconds and decode tokens/s at batch 1 and 8, the engines taking turns."""
+    best: dict[str, dict[str, float]] = {e.name: {} for e in engines}
+
+    def keep(engine, key: str, value: float, lower_is_better: bool) -> None:
+        old = best[engine.name].get(key)
+        if old is None or (value < old if lower_is_better else value > old):
+            best[engine.name][key] = value
+
+    for engine in engines:
+        engine.run(chat_prompt, 1, 4)  # warm-up
+        engine.run(long_prompt[:256], 1, 1)
+    for _ in range(repeats):
+        for engine in engines:
+            keep(engine, "prefill", engine.run(long_prompt, 1, 1), True)
+        for batch in (1, 8):
+            for engine in engines:
+                one = engine.run(chat_prompt, batch, 1)
+                many = engine.run(chat_prompt, batch, new_tokens)
+                keep(engine, f"decode{batch}", batch * (new_tokens - 1) / (many - one), False)
+    return best
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--threads", type=int, default=os.cpu_count())
     parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--prompt-tokens", type=int, default=2039)
+    parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     from armillary_llama.default_model import default_model_path
 
+    load_before = os.getloadavg()
     path = default_model_path()
-    batches = [1, 8]
-    served = serve_to_first_answer()
+    healthy, served, served_answer = serve_start_up()
     first = {engine: time_to_first_answer(engine, args.threads) for engine in ("armillary", "transformers")}
-    decode = {"armillary": armillary_decode(path, batches, args.new_tokens),
-              "transformers": transformers_decode(path, batches, args.new_tokens)}
+    engines = [Armillary(path, 8), Transformers(path)]
+    tok = engines[0].llm.get_tokenizer()
+    chat_prompt = tok.encode(tok.apply_chat_template(PROMPT))
+    long_prompt = tok.encode(LONG_TEXT * (args.prompt_tokens // 30 + 1))[: args.prompt_tokens]
+    best = measure(engines, chat_prompt, long_prompt, args.new_tokens, args.repeats)
+    load_after = os.getloadavg()
 
     print(f"\nSmolLM2-135M-Instruct Q4_1 GGUF, float32, {args.threads} threads, torch {torch.__version__}, "
-          f"load average {os.getloadavg()[0]:.2f} on {os.cpu_count()} cores")
-    print(f"{'engine':<14}{'first answer (s)':>18}{'decode tok/s b=1':>18}{'decode tok/s b=8':>18}")
-    for engine in ("armillary", "transformers"):
-        print(f"{engine:<14}{first[engine][0]:>18.1f}{decode[engine][1]:>18.1f}{decode[engine][8]:>18.1f}")
-    print(f"`armillary serve` (no arguments) to its first answered HTTP request: {served[0]:.1f} s "
-          f"({served[1]!r})")
+          f"{os.cpu_count()} cores; load average (1/5/15 min) before {load_before[0]:.2f}/{load_before[1]:.2f}/"
+          f"{load_before[2]:.2f}, after {load_after[0]:.2f}/{load_after[1]:.2f}/{load_after[2]:.2f}")
+    print(f"{'engine':<14}{'first answer (s)':>18}{f'prefill {len(long_prompt)} (s)':>18}"
+          f"{'decode tok/s b=1':>18}{'decode tok/s b=8':>18}")
+    rows = {"armillary": best["armillary"], "transformers": best["transformers"]}
+    for name, row in rows.items():
+        print(f"{name:<14}{first[name][0]:>18.2f}{row['prefill']:>18.2f}{row['decode1']:>18.1f}"
+              f"{row['decode8']:>18.1f}")
+    a, t = rows["armillary"], rows["transformers"]
+    print(f"{'time ratio':<14}{first['armillary'][0] / first['transformers'][0]:>18.2f}"
+          f"{a['prefill'] / t['prefill']:>18.2f}{t['decode1'] / a['decode1']:>18.2f}{t['decode8'] / a['decode8']:>18.2f}")
+    print(f"`armillary serve` (no arguments): healthy after {healthy:.2f} s, first answered HTTP chat request after "
+          f"{served:.2f} s ({served_answer!r})")
     for engine in ("armillary", "transformers"):
         print(f"{engine} answered: {first[engine][1]}")
 

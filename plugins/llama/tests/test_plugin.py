@@ -18,8 +18,11 @@ def test_entry_point_registers_architecture_and_gguf_format(monkeypatch):
     registry = PluginRegistry()
     registry.load_entry_points()
     info = registry.infos["llama"]
-    assert (info.distribution, info.architectures, info.formats) == ("armillary-llama", ["llama"], ["gguf_llama"])
+    assert (info.distribution, info.architectures, info.formats) == ("armillary-llama", ["llama", "mistral"],
+                                                                     ["gguf_llama"])
     assert registry.resolve_architecture(["LlamaForCausalLM"]).model_cls == "armillary_llama.model:LlamaForCausalLM"
+    mistral = registry.resolve_architecture(["MistralForCausalLM"])
+    assert (mistral.model_cls, mistral.default_tool_parser) == ("armillary_llama.model:MistralForCausalLM", None)
     assert registry.formats.get("gguf_llama").load() is GGUFSource
 
 
