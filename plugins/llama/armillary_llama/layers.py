@@ -3,58 +3,48 @@
 Every kernel goes through ``armillary.kernels.ops`` (Triton on CUDA, CUDA-graph safe; the torch
 references on the CPU), and nothing here reads the batch's host lists. Q, K and V share one fused
 projection (``qkv_proj``), gate and up another (``gate_up_proj``): fewer, larger matmuls.
-``model.load_weights`` fills them from the checkpoint's separate tensors. The layer classes stay
-thin (a weight and an ops call) so that core's shared layers can replace them one for one.
+The projections and norms are core's shared layers (``armillary.layers``: tensor-parallel shards,
+a ``QuantMethod`` per linear); ``checkpoint_pieces`` says which slot of a stacked projection each
+of the checkpoint's separate ``q/k/v_proj`` and ``gate/up_proj`` tensors fills.
 """
 from __future__ import annotations
 
 import torch
 from torch import nn
-from torch.nn.utils import skip_init
 
 from armillary.forward_batch import ForwardBatch, KVCache
 from armillary.kernels import ops
 from armillary.kernels.activation import act_and_mul, get_activation
+from armillary.layers import MergedColumnParallelLinear, QKVParallelLinear, RMSNorm, RowParallelLinear
 from armillary_llama.config import LlamaArgs
 
-
-class Linear(nn.Linear):
-    """``nn.Linear`` (same ``weight`` / ``bias``) whose forward is ``ops.linear``."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return ops.linear(x, self.weight, self.bias)
+_QKV = {"q_proj": "q", "k_proj": "k", "v_proj": "v"}
+_GATE_UP = {"gate_proj": 0, "up_proj": 1}
 
 
-def linear(in_features: int, out_features: int, bias: bool) -> Linear:
-    """A :class:`Linear` left uninitialised on the default device (``load_weights`` fills it)."""
-    return skip_init(Linear, in_features, out_features, bias=bias, device=torch.get_default_device())
-
-
-class RMSNorm(nn.Module):
-    """x̂ · w."""
-
-    def __init__(self, dim: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.empty(dim), requires_grad=False)
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return ops.rms_norm(x, self.weight, self.eps)
-
-    def add(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(norm(x + residual), x + residual), fused on the GPU."""
-        return ops.add_rms_norm(x, residual, self.weight, self.eps)
+def _stacked_pieces(local_name: str, tensor: torch.Tensor, stacked: str, shards: dict) -> list | None:
+    """``q_proj.weight`` -> ``[("qkv_proj.weight", tensor, {"shard_id": "q"})]``; None for other names."""
+    proj, _, kind = local_name.partition(".")
+    if proj not in shards or kind not in ("weight", "bias"):
+        return None
+    return [(f"{stacked}.{kind}", tensor, {"shard_id": shards[proj]})]
 
 
 class LlamaAttention(nn.Module):
     def __init__(self, args: LlamaArgs, layer_idx: int) -> None:
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = args.num_heads, args.num_kv_heads, args.head_dim
-        self.q_size, self.kv_size = args.q_size, args.kv_size
-        self.qkv_proj = linear(args.hidden_size, self.q_size + 2 * self.kv_size, args.attention_bias)
-        self.o_proj = linear(self.q_size, args.hidden_size, args.attention_bias)
+        self.qkv_proj = QKVParallelLinear(args.hidden_size, args.head_dim, args.num_heads, args.num_kv_heads,
+                                          args.attention_bias)
+        # this rank's heads (all of them without tensor parallelism)
+        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
+        self.head_dim, self.q_size, self.kv_size = args.head_dim, self.qkv_proj.q_size, self.qkv_proj.kv_size
+        self.o_proj = RowParallelLinear(args.q_size, args.hidden_size, args.attention_bias)
         self.scale = self.head_dim**-0.5
         self.sliding_window = args.sliding_windows[layer_idx]  # None: full attention
+
+    def checkpoint_pieces(self, local_name: str, tensor: torch.Tensor) -> list | None:
+        """``{q,k,v}_proj.{weight,bias}`` -> their slot of ``qkv_proj``."""
+        return _stacked_pieces(local_name, tensor, "qkv_proj", _QKV)
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, cache: KVCache, cos: torch.Tensor,
                 sin: torch.Tensor) -> torch.Tensor:
@@ -73,10 +63,14 @@ class LlamaMLP(nn.Module):
 
     def __init__(self, args: LlamaArgs) -> None:
         super().__init__()
-        self.gate_up_proj = linear(args.hidden_size, 2 * args.intermediate_size, args.mlp_bias)
-        self.down_proj = linear(args.intermediate_size, args.hidden_size, args.mlp_bias)
+        self.gate_up_proj = MergedColumnParallelLinear(args.hidden_size, [args.intermediate_size] * 2, args.mlp_bias)
+        self.down_proj = RowParallelLinear(args.intermediate_size, args.hidden_size, args.mlp_bias)
         get_activation(args.hidden_act)  # fail at build time on an unknown activation
         self.activation = args.hidden_act
+
+    def checkpoint_pieces(self, local_name: str, tensor: torch.Tensor) -> list | None:
+        """``{gate,up}_proj.{weight,bias}`` -> their slot of ``gate_up_proj``."""
+        return _stacked_pieces(local_name, tensor, "gate_up_proj", _GATE_UP)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(act_and_mul(self.gate_up_proj(x), self.activation))
