@@ -125,7 +125,31 @@ class _Cursor:
             dtype = np.dtype(_NUMPY_DTYPES[GGUFValueType(item_type)])
             start = self.take(count * dtype.itemsize, what)
             return np.frombuffer(self.buffer, dtype=dtype, count=count, offset=start).tolist()
+        if item_type == GGUFValueType.STRING:
+            return self.strings(count, what)
         return [self.value(item_type, f"item {i} of {what}") for i in range(count)]
+
+    def strings(self, count: int, what: str) -> list[str]:
+        """``count`` strings in a row (a tokenizer's vocabulary, merges): one tight loop, no per-item
+        formatting; errors name the item as ``string`` does."""
+        buf, pos, size, out = self.buffer, self.pos, self.size, []
+        length_of = struct.Struct(_SCALAR_FORMATS[GGUFValueType.UINT64]).unpack_from
+        for i in range(count):
+            if pos + 8 > size:
+                self.pos = pos
+                self.take(8, f"the length of item {i} of {what}")  # raises: truncated
+            n = length_of(buf, pos)[0]
+            if pos + 8 + n > size:
+                self.pos = pos + 8
+                self.take(n, f"item {i} of {what}")  # raises: truncated
+            try:
+                out.append(str(buf[pos + 8:pos + 8 + n], "utf-8"))
+            except UnicodeDecodeError as exc:
+                self.pos = pos + 8 + n
+                raise self.fail(f"item {i} of {what} at byte {pos + 8} is not UTF-8 ({exc.reason})") from None
+            pos += 8 + n
+        self.pos = pos
+        return out
 
 
 @dataclass(slots=True)

@@ -13,9 +13,11 @@ import torch
 from gguf import quants
 from gguf.constants import GGMLQuantizationType as T
 
+from armillary_llama.gguf_dequant import dequantize_fast
 from armillary_llama.gguf_file import GGUFError, GGUFFile, TensorInfo
 
-# Types we dequantize (all through the gguf package) and test; others fail at open with a clear error.
+# Types we dequantize (the common ones vectorised here, K-quants through the gguf package) and test;
+# others fail at open with a clear error.
 SUPPORTED_TYPES = frozenset({
     T.F32, T.F16, T.BF16,
     T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0,
@@ -78,7 +80,9 @@ def dequantize(gguf: GGUFFile, info: TensorInfo) -> torch.Tensor:
     if qtype == T.F32:
         values = raw.view(np.float32).copy()
     else:
-        values = quants.dequantize(raw.reshape(rows, -1), qtype)  # [rows, row values] float32
+        values = dequantize_fast(raw.reshape(-1), qtype)
+        if values is None:
+            values = quants.dequantize(raw.reshape(rows, -1), qtype)  # [rows, row values] float32
     if values.size != int(np.prod(info.shape, dtype=np.int64)):
         raise GGUFError(f"GGUF file {str(gguf.path)!r}: {info.describe()} dequantized to {values.size} values")
     return torch.from_numpy(values.reshape(info.shape))
