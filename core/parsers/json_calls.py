@@ -110,6 +110,12 @@ class JsonCallReader:
         """The output ended inside the object."""
         if self.status is not CallStatus.READING:
             return
+        self._end(events)
+
+    # -- internals -------------------------------------------------------------------------------
+
+    def _end(self, events: list[ParserEvent]) -> None:
+        """The object ended (closed, or the output did): a call if it had a name, else not a call."""
         if self._call is None and self._name is not None:
             self._start(events)
         if self._call is None:
@@ -118,17 +124,9 @@ class JsonCallReader:
         self._close(events)
         self.status = CallStatus.DONE
 
-    # -- internals -------------------------------------------------------------------------------
-
     def _on_event(self, kind: str, depth: int, end: int, pos: int, events: list[ParserEvent]) -> None:
         if depth == 0 and kind == VALUE_END:  # the call object itself closed
-            if self._call is None and self._name is not None:
-                self._start(events)
-            if self._call is None:
-                self.status = CallStatus.NOT_A_CALL
-                return
-            self._close(events)
-            self.status = CallStatus.DONE
+            self._end(events)
             return
         if depth != 1:
             return

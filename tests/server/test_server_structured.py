@@ -16,6 +16,7 @@ import jsonschema
 import openai
 import pytest
 
+from tests.fixtures.weather_tools import ANTHROPIC_TOOLS, SCHEMAS, TOOLS
 from tests.server.live_server import API_KEY, MODEL_NAME, start_server
 from tests.server.test_server_live import reassemble_chat_stream
 
@@ -32,18 +33,6 @@ SCHEMA = {"type": "object", "properties": {
     "tags": {"type": "array", "items": {"type": "string", "maxLength": 3}, "maxItems": 2},
     "note": {"type": "string", "maxLength": 5}},
     "required": ["city", "temp", "wind"]}
-TOOLS = [
-    {"type": "function", "function": {"name": "get_weather", "description": "Weather of a city", "parameters": {
-        "type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Berlin"]},
-                                         "days": {"type": "integer", "minimum": 1, "maximum": 7}},
-        "required": ["city"]}}},
-    {"type": "function", "function": {"name": "convert", "description": "Convert a temperature", "parameters": {
-        "type": "object", "properties": {"value": {"type": "integer", "minimum": -50, "maximum": 50},
-                                         "to": {"type": "string", "maxLength": 2}},
-        "required": ["value", "to"]}}},
-]
-SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
-ANTHROPIC_TOOLS = [{"name": n, "description": "a tool", "input_schema": s} for n, s in SCHEMAS.items()]
 
 
 @pytest.fixture(scope="module")

@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from tests.fixtures.tiny_tokenizer import make_qwen_tokenizer
+from tests.fixtures.weather_tools import ANTHROPIC_TOOLS, SCHEMAS, TOOLS
 from tests.server.live_server import API_KEY, MODEL_NAME, start_server
 from tests.server.test_server_live import reassemble_chat_stream
 
@@ -42,18 +43,6 @@ To call a function, reply with JSON {"name": function name, "parameters": its ar
 {%- if add_generation_prompt %}<|im_start|>assistant
 {% endif -%}
 """
-TOOLS = [
-    {"type": "function", "function": {"name": "get_weather", "description": "Weather of a city", "parameters": {
-        "type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Berlin"]},
-                                         "days": {"type": "integer", "minimum": 1, "maximum": 7}},
-        "required": ["city"]}}},
-    {"type": "function", "function": {"name": "convert", "description": "Convert a temperature", "parameters": {
-        "type": "object", "properties": {"value": {"type": "integer", "minimum": -50, "maximum": 50},
-                                         "to": {"type": "string", "maxLength": 2}},
-        "required": ["value", "to"]}}},
-]
-SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
-ANTHROPIC_TOOLS = [{"name": n, "description": "a tool", "input_schema": s} for n, s in SCHEMAS.items()]
 USER = [{"role": "user", "content": "What is the weather like in Paris today?"}]
 N = 12
 SAMPLED = {"temperature": 1.0, "seed": 3}
