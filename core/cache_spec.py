@@ -75,7 +75,6 @@ class Recurrent:
 
 
 LayerCacheSpec = FullAttention | SlidingWindow | LatentAttention | Recurrent
-PagedSpec = FullAttention | SlidingWindow | LatentAttention  # kept in blocks of the shared pool
 
 
 def _size(dtype: torch.dtype) -> int:

@@ -16,7 +16,7 @@ from armillary.kernels import ops
 from armillary.kernels.dispatch import resolve_dispatch
 from armillary.layers.quantization import resolve_quant_config
 from armillary.memory.coordinator import CacheCoordinator
-from armillary.memory.planner import MemoryPlan, plan_memory
+from armillary.memory.planner import MemoryPlan, blocks_per_sequence, plan_memory
 from armillary.model_files import checkpoint_dtype
 from armillary.model_source import open_model_source
 from armillary.model_runner import LaunchedStep
@@ -148,10 +148,11 @@ class LLMEngine:
             raise InvalidRequestError(
                 f"this model's maximum context length is {self.max_model_len} tokens; the prompt has {len(ids)} "
                 f"and {max_tokens} more were requested ({len(ids) + max_tokens} in all)")
-        capacity = self.cache.pool.num_usable // max(1, self.cache.num_paged_groups) * self.config.block_size
-        if self.cache.paged and len(ids) + max_tokens > capacity:
-            raise InvalidRequestError(
-                f"the request needs {len(ids) + max_tokens} tokens of KV cache; the pool holds {capacity}")
+        need = blocks_per_sequence(self.plan.paged_groups, self.config.block_size, len(ids) + max_tokens,
+                                   self.config.max_num_batched_tokens)
+        if need > self.cache.pool.num_usable:
+            raise InvalidRequestError(f"the request needs {need} KV blocks ({len(ids) + max_tokens} tokens); "
+                                      f"the pool holds {self.cache.pool.num_usable}")
         grammar = self.structured.compile(params.structured) if params.structured is not None else None
         seqs, texts = [], []
         for i in range(params.n):

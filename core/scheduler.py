@@ -128,16 +128,13 @@ class Scheduler:
         Sequences that finished or were aborted meanwhile are skipped.
         """
         touched: list[Sequence] = []
-        row = 0
+        row = -1  # the output row of the latest sampled chunk
         for chunk in plan.chunks:
+            row += chunk.sample
             seq = chunk.seq
-            tokens: list[int] = []
-            r = row
-            if chunk.sample:
-                tokens = output.token_ids[row] if output is not None else []
-                row += 1
             if seq.status is not SequenceStatus.RUNNING:
                 continue
+            tokens = output.token_ids[row] if chunk.sample and output is not None else []
             accepted = max(0, len(tokens) - 1) if chunk.draft_tokens else 0
             computed = chunk.end - len(chunk.draft_tokens) + accepted
             seq.num_computed_tokens = computed
@@ -145,19 +142,18 @@ class Scheduler:
                 seq.num_scheduled_tokens = computed
                 self.cache.trim(seq, computed)
             self.cache.release_stale(seq)
-            if not tokens:
-                continue
             for j, token in enumerate(tokens):
-                if seq.params.logprobs is not None and output.logprobs is not None:
-                    k = seq.params.logprobs
-                    top = list(zip(output.top_ids[r][j][:k], output.top_logprobs[r][j][:k])) if k else []
-                    seq.logprobs.append((output.logprobs[r][j], top))
+                k = seq.params.logprobs
+                if k is not None and output.logprobs is not None:
+                    top = list(zip(output.top_ids[row][j][:k], output.top_logprobs[row][j][:k])) if k else []
+                    seq.logprobs.append((output.logprobs[row][j], top))
                 seq.token_ids.append(token)
                 reason = self.check_token(seq, token)
                 if reason is not None:
                     self.finish(seq, reason)
                     break
-            touched.append(seq)
+            if tokens:
+                touched.append(seq)
         return touched
 
     # ---- freeing

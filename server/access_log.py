@@ -92,6 +92,19 @@ def access_line(method: str, path: str, status: int, record: AccessRecord, clien
     return " ".join(parts)
 
 
+class StatusTap:
+    """An ASGI ``send`` that remembers the response status passing through it (500 until one does)."""
+
+    def __init__(self, send: Send) -> None:
+        self.send = send
+        self.status = 500
+
+    async def __call__(self, message: Message) -> None:
+        if message["type"] == "http.response.start":
+            self.status = message["status"]
+        await self.send(message)
+
+
 class AccessLogMiddleware:
     """Outermost middleware: opens the request's ``AccessRecord`` and logs its line at the end.
 
@@ -108,18 +121,12 @@ class AccessLogMiddleware:
             return
         record = AccessRecord()
         token = _current.set(record)
-        status = 500
-
-        async def send_noting_status(message: Message) -> None:
-            nonlocal status
-            if message["type"] == "http.response.start":
-                status = message["status"]
-            await send(message)
-
+        tap = StatusTap(send)
         try:
-            await self.app(scope, receive, send_noting_status)
+            await self.app(scope, receive, tap)
         finally:
             _current.reset(token)
+            status = tap.status
             level = logging.WARNING if status >= 500 else logging.INFO
             if log.isEnabledFor(level):
                 log.log(level, "%s", access_line(scope["method"], scope["path"], status, record, scope.get("client")))

@@ -12,12 +12,12 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from armillary import __version__
 from armillary.errors import InvalidRequestError
 from armillary.server import anthropic_api, openai_api
-from armillary.server.access_log import AccessLogMiddleware, note_error
+from armillary.server.access_log import AccessLogMiddleware, StatusTap, note_error
 from armillary.server.errors import APIError, bad_request, describe_validation_errors, error_response
 from armillary.server.metrics import CONTENT_TYPE
 from armillary.server.prompts import openai_messages, openai_tools, render_chat, template_kwargs
@@ -54,23 +54,16 @@ class GatewayMiddleware:
             await self.app(scope, receive, send)
             return
         path = scope["path"]
-        status = 500
-
-        async def send_counting(message: Message) -> None:
-            nonlocal status
-            if message["type"] == "http.response.start":
-                status = message["status"]
-            await send(message)
-
+        tap = StatusTap(send)
         try:
             if self.state.api_key and path not in OPEN_PATHS and not self._authorized(scope):
                 err = APIError(401, "missing or invalid API key", code="invalid_api_key")
                 note_error(err.message)
-                await error_response(err, path)(scope, receive, send_counting)
+                await error_response(err, path)(scope, receive, tap)
             else:
-                await self.app(scope, receive, send_counting)
+                await self.app(scope, receive, tap)
         finally:
-            self.state.metrics.http_request(path, status)
+            self.state.metrics.http_request(path, tap.status)
 
     def _authorized(self, scope: Scope) -> bool:
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}

@@ -49,8 +49,10 @@ class CacheCoordinator:
         return [[] for _ in self.paged]
 
     def _ensure_tables(self, seq: Sequence) -> None:
-        if len(seq.block_tables) != len(self.paged):
+        if not seq.block_tables:
             seq.block_tables = self.new_tables()
+        elif len(seq.block_tables) != len(self.paged):
+            raise RuntimeError(f"{seq} has {len(seq.block_tables)} block tables, the model {len(self.paged)} groups")
 
     def blocks_needed(self, seq: Sequence, num_tokens: int) -> int:
         self._ensure_tables(seq)

@@ -60,9 +60,8 @@ class ModelWorker(Worker):
         self.states = None
 
     def load_model(self) -> CausalLM:
-        quant = self.quant if self.quant is not None else get_quant_config()
-        with use_parallel(self.parallel), use_quant_config(quant), torch.device(self.device), \
-                _default_dtype(self.dtype):
+        quant = self.quant or get_quant_config()
+        with use_parallel(self.parallel), use_quant_config(quant), torch.device(self.device), _default_dtype(self.dtype):
             self.model = self.model_cls(self.hf_config)
         if self.config.load_format == "dummy":
             self._init_dummy_weights()

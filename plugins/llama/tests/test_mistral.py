@@ -130,3 +130,28 @@ def test_plain_llama_config_logs_no_window_warning(tiny_llama, caplog):
     with caplog.at_level(logging.WARNING, logger="armillary_llama"):
         LlamaForCausalLM(HFConfig.from_file(directory / "config.json"))
     assert not [r for r in caplog.records if "sliding_window" in r.getMessage()]
+
+
+def test_a_pool_smaller_than_the_request_serves_it_when_the_window_fits(tiny_mistral, llama_registry):
+    """Admission counts what a windowed sequence can hold at once, not its length: 72 tokens in 6 blocks
+    of 8 (window 24 + a 16-token chunk + one stale block); a full-attention request that long is refused."""
+    from armillary.errors import InvalidRequestError
+
+    directory, hf_model = tiny_mistral
+    kw = dict(registry=llama_registry, dtype="float32", block_size=BLOCK, max_model_len=128, num_kv_blocks=6,
+              max_num_batched_tokens=16)
+    llm = LLM(model=str(directory), **kw)
+    prompt = _prompts()[0]
+    out = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(temperature=0.0, max_tokens=NEW,
+                                                                       ignore_eos=True))[0].outputs[0].token_ids
+    with torch.no_grad():
+        ref = hf_model.generate(torch.tensor([prompt]), max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False,
+                                pad_token_id=hf_model.config.eos_token_id)[0, PROMPT_LEN:].tolist()
+    assert out == ref and llm.engine.cache.pool.num_used == 0
+    config = json.loads((directory / "config.json").read_text())
+    config["sliding_window"] = None
+    (directory / "config.json").write_text(json.dumps(config))
+    full = LLM(model=str(directory), **kw)
+    with pytest.raises(InvalidRequestError, match="needs 9 KV blocks"):
+        full.engine.add_request("r", prompt, SamplingParams(max_tokens=NEW))
+    assert not full.engine.requests and full.engine.cache.pool.num_used == 0
