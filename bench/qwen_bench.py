@@ -84,13 +84,13 @@ def decode_bytes(cfg: dict, batch: int, context: int) -> float:
 
 
 class Ours:
-    def __init__(self, path: Path, device: str, max_len: int, max_seqs: int, eager: bool) -> None:
+    def __init__(self, path: Path, device: str, max_len: int, max_seqs: int, eager: bool, **engine_args) -> None:
         from armillary import LLM
 
         t = time.perf_counter()
         self.llm = LLM(str(path), load_format="dummy", dtype="bfloat16", device=device, max_model_len=max_len,
                        max_num_seqs=max_seqs, max_num_batched_tokens=16384, enforce_eager=eager,
-                       gpu_memory_utilization=0.88)
+                       gpu_memory_utilization=0.88, **engine_args)
         self.startup = time.perf_counter() - t
         self.engine = self.llm.engine
         self.device = device

@@ -47,6 +47,7 @@ from triton.runtime.jit import JITFunction, create_function_from_signature
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from armillary.cuda_graphs import graph_buckets  # noqa: E402
+from armillary.forward_batch import KVCache  # noqa: E402
 from armillary.kernels import ops, tuning  # noqa: E402
 from armillary.kernels.triton import paged_attention  # noqa: E402
 from armillary.kernels.triton.causal_conv1d import causal_conv1d_prefill  # noqa: E402
@@ -181,8 +182,8 @@ def _attention(m: ModelShapes, batch: SimpleNamespace, x: torch.Tensor) -> None:
     k, v = k.view(t, m.kv_heads, d), v.view(t, m.kv_heads, d)
     norm_w = torch.empty(d, dtype=dt)
     cos = sin = torch.empty(t, m.rotary_dim // 2)
-    cache = SimpleNamespace(k=torch.empty(4, m.block_size, m.kv_heads, d, dtype=dt),
-                            v=torch.empty(4, m.block_size, m.kv_heads, d, dtype=dt))
+    cache = KVCache(torch.empty(4, m.block_size, m.kv_heads, d, dtype=dt),
+                    torch.empty(4, m.block_size, m.kv_heads, d, dtype=dt))
     q = ops.qk_norm_rope_store(query, k, v, norm_w, norm_w, 1e-6, cos, sin, cache, batch)
     ops.attention(q, cache, batch, d**-0.5, gate=gate)
     q = ops.apply_rotary(ops.rms_norm(query, norm_w, 1e-6, True), cos, sin)

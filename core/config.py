@@ -29,8 +29,16 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9
     cpu_kv_cache_space_gb: float = 4.0  # the KV + state budget when running on the CPU
     num_kv_blocks: int | None = None  # override the planner (tests use it to force preemption)
-    enable_prefix_caching: bool = False  # not implemented yet: validate() refuses True
-    num_state_snapshots: int = 0  # recurrent-state snapshot rows kept beside the running slots
+    enable_prefix_caching: bool = False  # reuse cached prompt prefixes (blocks and, on hybrid models, state snapshots)
+    state_checkpoint_interval: int = 256  # prefix caching: recurrent-state snapshot every this many tokens
+    num_state_snapshots: int = 0  # recurrent-state snapshot rows beside the slots; 0 with prefix caching: auto
+    speculative: bool = False  # draft tokens with the checkpoint's MTP head and verify them (Atlas's --speculative)
+    num_drafts: int = 2  # draft tokens per step when speculative (Atlas's --num-drafts; vLLM num_speculative_tokens)
+    speculative_force_accept: bool = False  # benchmarks only: accept every draft (tokens are then wrong)
+    quantization: str | None = None  # None: the checkpoint's quantization_config; "fp8": quantize a bf16 checkpoint online
+    kv_cache_dtype: str = "auto"  # auto: the model dtype; fp8 (e4m3 with per-layer scales)
+    kv_high_precision_layers: str = "auto"  # with an fp8 KV cache: attention layers kept in the model dtype
+    fp8_kv_calibration_tokens: int = 0  # with an fp8 KV cache and no checkpoint scales: calibrate over this many tokens
     dtype: str = "auto"  # auto: the dtype config.json names
     seed: int = 0
     device: str = "auto"  # auto: cuda if available else cpu
@@ -78,9 +86,26 @@ class EngineConfig:
             if not (folder / "generation_config.json").is_file():
                 raise ValueError(f"generation_config must be auto, vllm or a folder holding a "
                                  f"generation_config.json; {str(folder)!r} holds none")
-        if self.enable_prefix_caching:
-            raise ValueError("prefix caching is not implemented yet; it is coming with exact prefix caching on "
-                             "hybrid models (issue 12): drop --enable-prefix-caching")
+        if self.speculative and not (isinstance(self.num_drafts, int) and 1 <= self.num_drafts <= 3):
+            raise ValueError(f"num_drafts must be 1, 2 or 3 with speculative decoding, not {self.num_drafts!r}")
+        interval = self.state_checkpoint_interval
+        if not isinstance(interval, int) or interval < 1 or interval % self.block_size:
+            raise ValueError(f"state_checkpoint_interval must be a positive multiple of block_size "
+                             f"({self.block_size}), not {interval!r}")
+        if not isinstance(self.num_state_snapshots, int) or self.num_state_snapshots < 0:
+            raise ValueError(f"num_state_snapshots must be an integer of at least 0, not {self.num_state_snapshots!r}")
+        if self.quantization not in (None, "fp8", "fp8_block"):
+            raise ValueError(f"quantization must be fp8 (per-channel) or fp8_block (128 x 128) for online "
+                             f"quantization, not {self.quantization!r}")
+        if self.kv_cache_dtype not in ("auto", "fp8", "fp8_e4m3"):
+            raise ValueError(f"kv_cache_dtype must be auto, fp8 or fp8_e4m3, not {self.kv_cache_dtype!r}")
+        hp = str(self.kv_high_precision_layers).replace(" ", "")
+        if hp != "auto" and not (hp.strip(",") and all(p.isdigit() for p in hp.strip(",").split(","))):
+            raise ValueError(f"kv_high_precision_layers must be auto, a count N, or layer indices i,j (one: i,); "
+                             f"not {self.kv_high_precision_layers!r}")
+        if not isinstance(self.fp8_kv_calibration_tokens, int) or self.fp8_kv_calibration_tokens < 0:
+            raise ValueError(f"fp8_kv_calibration_tokens must be a non-negative integer, not "
+                             f"{self.fp8_kv_calibration_tokens!r}")
 
     def torch_device(self) -> torch.device:
         import torch

@@ -22,6 +22,8 @@ _REFERENCES = {
     "sigmoid_topk": ("torch_sigmoid_topk", f"{_REF}:sigmoid_topk"),
     "fused_moe": ("torch_fused_moe", "armillary.kernels.moe:fused_moe"),
     "causal_conv1d": ("torch_causal_conv1d", f"{_REF}:causal_conv1d"),
+    "fp8_linear": ("torch_fp8_linear", "armillary.kernels.fp8:linear"),
+    "fp8_fused_moe": ("torch_fp8_fused_moe", "armillary.kernels.fp8:fused_moe"),
 }
 # interface -> core's Triton implementation, in the interface's signature (kernels/triton/impls.py)
 _TRITON = {
@@ -38,6 +40,8 @@ _TRITON = {
     "sigmoid_topk": ("triton_sigmoid_topk", "sigmoid_topk"),
     "fused_moe": ("triton_fused_moe", "fused_moe"),
     "causal_conv1d": ("triton_causal_conv1d", "causal_conv1d"),
+    "fp8_linear": ("triton_fp8_linear", "fp8_linear"),
+    "fp8_fused_moe": ("triton_fp8_fused_moe", "fp8_fused_moe"),
 }
 _SUPPORTS = {"linear": f"{_TRI}:supports_linear"}  # per-call checks: the skinny GEMM takes decode-sized rows
 
@@ -57,6 +61,10 @@ def armillary_register_kernels(registry) -> None:
 def armillary_register_quantizations(registry) -> None:
     registry.register("unquantized", "armillary.layers.quantization.unquantized:UnquantizedConfig",
                       description="bf16 / fp16 / fp32 weights as stored")
+    registry.register("fp8", "armillary.layers.quantization.fp8:Fp8Config",
+                      description="FP8 e4m3 block-wise weights (weight_scale_inv), dynamic activations; online fp8")
+    registry.register("compressed-tensors", "armillary.layers.quantization.compressed_tensors:CompressedTensorsConfig",
+                      description="compressed-tensors FP8: per-channel or block weight_scale, dynamic activations")
 
 
 @hookimpl

@@ -5,6 +5,7 @@ so the host's bookkeeping overlaps the GPU's work.
 """
 from __future__ import annotations
 
+import gc
 import logging
 import time
 
@@ -15,8 +16,9 @@ from armillary.errors import InvalidRequestError
 from armillary.kernels import ops
 from armillary.kernels.dispatch import resolve_dispatch
 from armillary.layers.quantization import resolve_quant_config
+from armillary.layers.quantization.kv_cache import apply_kv_scales, fp8_kv_layout
 from armillary.memory.coordinator import CacheCoordinator
-from armillary.memory.planner import MemoryPlan, blocks_per_sequence, plan_memory
+from armillary.memory.planner import MemoryPlan, auto_snapshot_rows, blocks_per_sequence, bytes_per_slot, plan_memory
 from armillary.model_files import checkpoint_dtype
 from armillary.model_source import open_model_source
 from armillary.model_runner import LaunchedStep
@@ -63,22 +65,36 @@ class LLMEngine:
         self.eos_token_ids = self._eos_token_ids(text_config)
         self.structured = StructuredOutputs(self.tokenizer, text_config.vocab_size, self.eos_token_ids)
 
-        quant = resolve_quant_config(self.hf_config, self.registry)
+        quant = resolve_quant_config(self.hf_config, self.registry, config.quantization)
         self.worker: Worker = ModelWorker(config, model_cls, self.hf_config, self.source, self.device, self.dtype,
                                           self.max_model_len, quant=quant, structured=self.structured)
         self.worker.load_model()
         log.info("weights loaded: %s (%s) on %s as %s", self.model_path, self.arch.name, self.device, self.dtype)
-        layout = model_cls.cache_layout(self.hf_config)
+        layout = fp8_kv_layout(model_cls.cache_layout(self.hf_config), config.kv_cache_dtype,
+                               config.kv_high_precision_layers)
+        self.num_drafts = self._num_drafts(model_cls)
+        main_layers = len(layout)
+        if self.num_drafts:
+            layout = layout + model_cls.draft_cache_layout(self.hf_config)  # the draft head's own caches
         self.plan = self._plan_memory(layout, self.worker.cache_budget(layout))
-        self.worker.init_caches(layout, self.plan)
+        self.worker.init_caches(layout, self.plan, num_drafts=self.num_drafts, main_layers=main_layers)
+        apply_kv_scales(self.worker.caches, self.worker.model, layout, config.fp8_kv_calibration_tokens,
+                        text_config.vocab_size, config.block_size, self.dtype)
         log.info("memory plan: %s", self.plan.describe())
-        self.cache = CacheCoordinator.from_plan(self.plan)
-        self.scheduler = Scheduler(config.max_num_seqs, config.max_num_batched_tokens, self.cache, self._check_token)
+        self.cache = CacheCoordinator.from_plan(self.plan, prefix_caching=config.enable_prefix_caching,
+                                                checkpoint_interval=config.state_checkpoint_interval)
+        self.scheduler = Scheduler(config.max_num_seqs, config.max_num_batched_tokens, self.cache, self._check_token,
+                                   num_drafts=self.num_drafts, spec_row=self.plan.spec_row)
         self.requests: dict[str, RequestState] = {}
-        self.async_scheduling = config.async_scheduling if config.async_scheduling is not None \
-            else self.device.type == "cuda"
+        # speculation reads each step's drafts on the host before planning the next one
+        self.async_scheduling = not self.num_drafts and (
+            config.async_scheduling if config.async_scheduling is not None else self.device.type == "cuda")
+        self.spec_stats = {"num_verify_steps": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0,
+                           "num_emitted_tokens": 0}
         self._inflight: LaunchedStep | None = None  # a launched step whose tokens are not read yet
         self.num_async_steps = 0  # steps launched before their inputs were on the host
+        gc.collect()
+        gc.freeze()  # torch's and the model's objects out of the collector: no 100 ms pauses inside steps
 
     @property
     def model(self):
@@ -118,13 +134,32 @@ class LLMEngine:
             ids.extend(self.tokenizer.eos_token_ids)
         return tuple(dict.fromkeys(int(i) for i in ids))
 
+    def _num_drafts(self, model_cls) -> int:
+        """Drafts per step when speculation is on (0 when off); refuses a checkpoint without a draft head."""
+        if not self.config.speculative:
+            return 0
+        if not model_cls.draft_cache_layout(self.hf_config):
+            raise InvalidRequestError(f"--speculative needs a draft head (MTP layers), and {self.model_path} "
+                                      f"({self.arch.name}) has none")
+        return self.config.num_drafts
+
     def _plan_memory(self, layout, budget: int) -> MemoryPlan:
         cfg = self.config
         override = cfg.num_kv_blocks + 1 if cfg.num_kv_blocks is not None else None  # + the scratch block
         return plan_memory(layout, budget_bytes=budget, block_size=cfg.block_size, num_slots=cfg.max_num_seqs + 1,
                            dtype=self.dtype, max_model_len=self.max_model_len, max_num_seqs=cfg.max_num_seqs,
                            max_chunk=cfg.max_num_batched_tokens, num_blocks_override=override,
-                           num_snapshots=cfg.num_state_snapshots)
+                           num_snapshots=self._num_snapshots(layout, budget), spec_rows_per_slot=self.num_drafts)
+
+    def _num_snapshots(self, layout, budget: int) -> int:
+        """State snapshot rows: as configured, or with prefix caching on a hybrid model and none
+        configured, the planner's share of the budget (checkpoints and every sequence's end)."""
+        cfg = self.config
+        per_slot = bytes_per_slot(layout, self.dtype)
+        if cfg.num_state_snapshots or not cfg.enable_prefix_caching or not per_slot:
+            return cfg.num_state_snapshots
+        return auto_snapshot_rows(budget, per_slot, cfg.max_num_seqs, self.max_model_len,
+                                  cfg.state_checkpoint_interval)
 
     # ---- requests
 
@@ -247,6 +282,8 @@ class LLMEngine:
     def _collect(self, step: LaunchedStep) -> list[RequestOutput]:
         """Wait for ``step``'s tokens and hand them to the scheduler; outputs of the requests they touched."""
         out = step.wait()
+        if out is not None and self.num_drafts:
+            self._count_speculation(step.plan, out)
         now = time.time()
         touched: dict[str, RequestState] = {}
         for seq in self.scheduler.update_from_output(step.plan, out):
@@ -258,8 +295,21 @@ class LLMEngine:
             if state.finished:
                 state.metrics["finished_time"] = time.time()
                 del self.requests[rid]
-            outputs.append(state.output())
+            out = state.output()
+            out.num_cached_tokens = state.seqs[0].num_cached_tokens or 0  # prompt tokens served by the prefix cache
+            outputs.append(out)
         return outputs
+
+    def _count_speculation(self, plan, out) -> None:
+        sampled = plan.sampled
+        if not sampled or not sampled[0].draft_tokens:
+            return
+        st = self.spec_stats
+        st["num_verify_steps"] += 1
+        for chunk, tokens in zip(sampled, out.token_ids):
+            st["num_draft_tokens"] += len(chunk.draft_tokens)
+            st["num_accepted_tokens"] += len(tokens) - 1
+            st["num_emitted_tokens"] += len(tokens)
 
     def _check_token(self, seq: Sequence, token: int) -> str | None:
         """The scheduler appended ``token`` to ``seq``: text, stop strings, grammar; a finish reason or None."""
@@ -310,5 +360,15 @@ class LLMEngine:
             **self.cache.stats(),
             "num_preemptions": self.scheduler.num_preemptions,
             "num_async_steps": self.num_async_steps,
-            "prefix_cache_hit_rate": 0.0,
+            **self._speculation_stats(),
         }
+
+    def _speculation_stats(self) -> dict:
+        if not self.num_drafts:
+            return {}
+        st = self.spec_stats
+        seqs_verified = st["num_draft_tokens"] // self.num_drafts
+        return {**st,
+                "spec_acceptance_rate": st["num_accepted_tokens"] / max(1, st["num_draft_tokens"]),
+                "spec_mean_accepted_length": st["num_accepted_tokens"] / max(1, seqs_verified),
+                "spec_tokens_per_step": st["num_emitted_tokens"] / max(1, seqs_verified)}

@@ -92,6 +92,9 @@ class ForwardBatch:
     max_seq_len: int = 0  # longest seq_len; a CUDA graph passes its bucket's limit (kernel grids use it)
     group_block_tables: list[torch.Tensor] = field(default_factory=list)
     group_slot_mappings: list[torch.Tensor] = field(default_factory=list)
+    # a verify step (every sequence: K+1 tokens): [B, K] state rows to keep each sequence's recurrent
+    # state after its positions 0..K-1 in; the state after the last goes to its slot as usual
+    spec_state_rows: torch.Tensor | None = None
 
     def block_tables_of(self, cache: KVCache | LatentCache) -> torch.Tensor:
         """[B, max_blocks] block table of ``cache``'s group."""

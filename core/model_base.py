@@ -41,6 +41,26 @@ class CausalLM(nn.Module, ABC):
         logged once. The loader raises on parameters left unfilled.
         """
 
+    # ---- optional draft head (MTP) for speculative decoding
+
+    @classmethod
+    def draft_cache_layout(cls, hf_config: HFConfig) -> list[LayerCacheSpec | None]:
+        """What the draft head's layers keep between steps; ``[]`` when the checkpoint has none.
+
+        Core appends these to ``cache_layout`` only when speculation is on; inside ``draft_forward``
+        ``batch.caches[i]`` is the draft head's layer ``i`` (the main layers' caches are not there).
+        """
+        return []
+
+    def draft_forward(self, batch: ForwardBatch, hidden: torch.Tensor) -> torch.Tensor:
+        """One pass of the draft head (MTP): ``batch.input_ids[t]`` is the token *after* position
+        ``batch.positions[t]`` and ``hidden[t]`` ([T, H]) the final-normed hidden state the main
+        model (or the previous draft pass) produced at that position. Returns the head's
+        final-normed hidden ``[T, H]``: ``compute_logits`` of it drafts the token after that one,
+        and it is the ``hidden`` of the next draft pass. Only called when
+        ``draft_cache_layout`` is not empty."""
+        raise NotImplementedError(f"{type(self).__name__} has no draft head")
+
     @classmethod
     def max_model_len(cls, hf_config: HFConfig) -> int | None:
         """Longest context the checkpoint supports, if the config says."""

@@ -16,6 +16,8 @@ from armillary.forward_batch import ForwardBatch, LayerCache
 from armillary.memory.state_pool import StatePool
 from armillary.model_base import CausalLM
 from armillary.sampler import Sampler, SamplerOutput
+from armillary.speculative.proposer import DraftProposer
+from armillary.speculative.step import SpecHostOutput, SpeculativeConfig, launch_speculative
 from armillary.step_plan import StepOutput, StepPlan
 from armillary.structured.outputs import StructuredOutputs
 
@@ -30,11 +32,14 @@ class LaunchedStep:
     output: SamplerOutput | None
     host: SamplerOutput | None
     done: torch.cuda.Event | None  # recorded after the host copy; None on the CPU
+    spec: SpecHostOutput | None = None  # speculation on: emitted tokens, accepted counts, next drafts
 
     def wait(self) -> StepOutput | None:
         """The sampled tokens (and logprobs) on the host, once the step has run; None if none sampled."""
         if self.done is not None:
             self.done.synchronize()
+        if self.spec is not None:
+            return self.spec.to_step_output()
         h = self.host
         if h is None:
             return None
@@ -49,7 +54,8 @@ class ModelRunner:
     def __init__(self, model: CausalLM, caches: list[LayerCache | None], block_size: int,
                  device: torch.device, sampler: Sampler | None = None, graphs: CUDAGraphDecoder | None = None,
                  structured: StructuredOutputs | None = None, states: StatePool | None = None,
-                 num_groups: int = 1) -> None:
+                 num_groups: int = 1, speculative: SpeculativeConfig | None = None,
+                 proposer: DraftProposer | None = None) -> None:
         self.model = model
         self.structured = structured  # grammar matchers; None: no sequence is ever constrained
         self.graphs = graphs
@@ -59,6 +65,9 @@ class ModelRunner:
         self.num_groups = num_groups  # paged cache groups (one block table each)
         self.device = device
         self.sampler = sampler or Sampler()
+        self.speculative = speculative  # with ``proposer``: every step drafts the next one's tokens
+        self.proposer = proposer
+        self.spec_graphs = None  # SpecGraphs: verify steps in CUDA graphs
 
     def prepare(self, plan: StepPlan) -> ForwardBatch:
         """Flatten the plan's chunks into one packed batch (``plan.input_tokens`` fill the ids)."""
@@ -125,14 +134,28 @@ class ModelRunner:
             batch.input_ids.copy_(plan.input_tokens)
         return batch
 
-    def _cache_ops_before(self, plan: StepPlan) -> None:
+    def cache_ops_before(self, plan: StepPlan) -> None:
+        if plan.block_copies:
+            self._copy_blocks(plan.block_copies)
         if self.states is None:
             return
         self.states.zero(plan.zero_slots)
         if plan.state_copies:
             self.states.copy([s for s, _ in plan.state_copies], [d for _, d in plan.state_copies])
 
-    def _cache_ops_after(self, plan: StepPlan) -> None:
+    def _copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        src = torch.tensor([s for s, _ in pairs], dtype=torch.long, device=self.device)
+        dst = torch.tensor([d for _, d in pairs], dtype=torch.long, device=self.device)
+        seen: set[int] = set()  # subgroups share storage tensors: copy each once
+        for cache in self.caches:
+            for page in (getattr(cache, "k", None), getattr(cache, "v", None), getattr(cache, "kv", None)):
+                if page is not None and page.data_ptr() not in seen:
+                    seen.add(page.data_ptr())
+                    if page.element_size() == 1:  # fp8 pages: index_copy_ has no fp8 kernel on the CPU
+                        page = page.view(torch.uint8)
+                    page.index_copy_(0, dst, page.index_select(0, src))
+
+    def cache_ops_after(self, plan: StepPlan) -> None:
         if self.states is not None and plan.snapshots:
             self.states.copy([s for s, _ in plan.snapshots], [d for _, d in plan.snapshots])
 
@@ -140,7 +163,9 @@ class ModelRunner:
     def launch(self, plan: StepPlan) -> LaunchedStep:
         """Enqueue the plan's cache operations, forward and sampling, and the copy of the sampled
         tokens to the host; ``LaunchedStep.wait`` returns them."""
-        self._cache_ops_before(plan)
+        if self.proposer is not None:
+            return launch_speculative(self, plan, self.speculative, self.proposer)
+        self.cache_ops_before(plan)
         sampled = [c.seq for c in plan.chunks if c.sample]
         graphed = self.graphs is not None and self.graphs.can_run(plan)
         masks = None
@@ -155,7 +180,7 @@ class ModelRunner:
             hidden = self.model(batch)
             if sampled:
                 hidden = hidden.index_select(0, batch.logits_indices)  # cheaper than advanced indexing on the CPU
-        self._cache_ops_after(plan)
+        self.cache_ops_after(plan)
         if not sampled:
             return LaunchedStep(plan, None, None, None, None)
         logits = self.model.compute_logits(hidden)

@@ -31,3 +31,4 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: dict[str, float] = field(default_factory=dict)  # arrival, first_token, finished times
+    num_cached_tokens: int = 0  # prompt tokens the prefix cache served (not recomputed)

@@ -172,11 +172,20 @@ class Sampler:
             else:
                 token_ids = self._sample(processed, seqs)
 
-        logprobs, top_ids, top_logprobs = self._raw_logprobs(logits, token_ids, seqs)
+        logprobs, top_ids, top_logprobs = self.raw_logprobs(logits, token_ids, seqs)
         return SamplerOutput(token_ids=token_ids, logprobs=logprobs, top_ids=top_ids, top_logprobs=top_logprobs)
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         """logits: [N, V] after penalties, rows with temperature >= 1e-5 -> [N] int64 tokens."""
+        logits = self.filtered(logits, seqs)
+        # exponential race: argmax p / q with q ~ Exp(1) samples p; in log space, logit - log q
+        noise = self.exponential_noise(seqs, logits.shape[1], logits.device)  # [N, V]
+        return (logits - noise.log()).argmax(dim=-1)
+
+    @staticmethod
+    def filtered(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        """logits: [N, V] after penalties -> divided by each row's temperature (>= 1e-5), then
+        top-k / top-p / min-p filtered: the log-weights of the distribution a row samples from."""
         device, vocab = logits.device, logits.shape[1]
         params = [s.params for s in seqs]
         temperature = _to_device([p.temperature for p in params], torch.float32, device)
@@ -190,18 +199,16 @@ class Sampler:
             min_p = _to_device([p.min_p for p in params], torch.float32, device)
         if top_k is not None or top_p is not None or min_p is not None:
             logits = apply_top_k_top_p_min_p(logits, top_k, top_p, min_p)
-        # exponential race: argmax p / q with q ~ Exp(1) samples p; in log space, logit - log q
-        noise = self._exponential_noise(seqs, vocab, device)  # [N, V]
-        return (logits - noise.log()).argmax(dim=-1)
+        return logits
 
-    def _exponential_noise(self, seqs: list[Sequence], vocab: int, device: torch.device) -> torch.Tensor:
+    def exponential_noise(self, seqs: list[Sequence], vocab: int, device: torch.device) -> torch.Tensor:
         """[N, V] float32 Exp(1) draws: seeded rows from their own CPU generator, the rest shared."""
         seeded = [i for i, s in enumerate(seqs) if s.generator is not None]
         unseeded = [i for i, s in enumerate(seqs) if s.generator is None]
         shared = None
         if unseeded:
             shared = torch.empty(len(unseeded), vocab, device=device)
-            shared.exponential_(generator=self._shared_generator(device))
+            shared.exponential_(generator=self.shared_generator(device))
             if not seeded:
                 return shared.clamp_min_(_TINY)
         host = torch.empty(len(seeded), vocab, pin_memory=device.type == "cuda")
@@ -215,7 +222,7 @@ class Sampler:
         noise[_to_device(seeded, torch.int64, device)] = own
         return noise.clamp_min_(_TINY)
 
-    def _shared_generator(self, device: torch.device) -> torch.Generator:
+    def shared_generator(self, device: torch.device) -> torch.Generator:
         generator = self._shared_generators.get(device)
         if generator is None:
             generator = torch.Generator(device=device)
@@ -227,7 +234,7 @@ class Sampler:
         return generator
 
     @staticmethod
-    def _raw_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, seqs: list[Sequence]
+    def raw_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, seqs: list[Sequence]
                       ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
         """logits: [B, V] raw; token_ids: [B] -> ([B], [B, K] ids, [B, K]) or Nones if none asked."""
         requested = [s.params.logprobs for s in seqs if s.params.logprobs is not None]

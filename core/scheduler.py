@@ -4,8 +4,8 @@ One token budget per step is shared by decodes (1 token each) and prefill chunks
 sequences go first, oldest first; waiting ones are admitted while the budget, the sequence cap
 and the cache coordinator allow. When memory runs out, the newest running sequence is preempted
 by recompute: everything it holds is freed and it waits at the front of the queue. A prefill
-chunk ends early at a position listed in ``seq.chunk_stops`` (block-aligned checkpoints), where
-the step snapshots the recurrent state when the snapshot budget allows.
+chunk ends early at the deepest position in ``seq.chunk_stops`` (block-aligned checkpoints) it
+reaches, where the step snapshots the recurrent state when the snapshot budget allows.
 
 ``schedule()`` returns a ``StepPlan``; after the worker ran it, ``update_from_output(plan,
 output)`` advances ``num_computed_tokens``, trims what was not accepted, returns blocks that
@@ -32,7 +32,10 @@ def _length_only(seq: Sequence, token: int) -> str | None:
 
 class Scheduler:
     def __init__(self, max_num_seqs: int, max_num_batched_tokens: int, cache: CacheCoordinator,
-                 check_token: TokenCheck = _length_only) -> None:
+                 check_token: TokenCheck = _length_only, num_drafts: int = 0,
+                 spec_row: Callable[[int, int], int] | None = None) -> None:
+        self.num_drafts = num_drafts  # speculation: drafts verified per decode step (0: off)
+        self.spec_row = spec_row  # (slot, position i) -> the row holding the state after verified position i
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.cache = cache
@@ -54,11 +57,12 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         chunks: list[ScheduledChunk] = []
         snapshots: list[tuple[int, int]] = []
+        verify = self._is_verify_step()
         preempted = False
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            n = self._chunk_len(seq, budget)
+            n = self.num_drafts + 1 if verify else self._chunk_len(seq, budget)
             while not self.cache.allocate(seq, seq.num_scheduled_tokens + n):
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -67,20 +71,54 @@ class Scheduler:
                     break
             if seq.status is not SequenceStatus.RUNNING:
                 break
-            chunks.append(self._chunk(seq, n, snapshots))
+            chunks.append(self._verify_chunk(seq) if verify else self._chunk(seq, n, snapshots))
             budget -= n
             i += 1
-        while self.waiting and budget > 0 and not preempted and len(self.running) < self.max_num_seqs:
+        while self.waiting and budget > 0 and not preempted and not verify and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
+            if self._sibling_prefilling(seq):
+                break  # n > 1: the request's first sequence computes the prompt, the others then hit it
+            self.cache.match_prefix(seq)  # resumes at the deepest cached prefix (prefix caching)
             n = self._chunk_len(seq, budget)
-            if not self.cache.allocate(seq, n):
+            if not self.cache.allocate(seq, seq.num_scheduled_tokens + n):
+                self.cache.unmatch(seq)
                 break
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             chunks.append(self._chunk(seq, n, snapshots))
             budget -= n
-        return StepPlan(chunks, zero_slots=self.cache.take_fresh_slots(), snapshots=snapshots)
+        copies = []
+        for chunk in chunks:  # states a partly accepted verify step left outside their slot
+            if chunk.seq.pending_state_row is not None:
+                copies.append((chunk.seq.pending_state_row, chunk.seq.state_slot))
+                chunk.seq.pending_state_row = None
+        zero = self.cache.take_fresh_slots()
+        prefix_states, block_copies = self.cache.take_copies()
+        return StepPlan(chunks, zero_slots=zero, state_copies=prefix_states + copies, snapshots=snapshots,
+                        block_copies=block_copies)
+
+    def _sibling_prefilling(self, seq: Sequence) -> bool:
+        """Prefix caching: a later sample of a request waits while an earlier one computes the prompt."""
+        if self.cache.prefix is None or seq.index == 0 or seq.num_preemptions:
+            return False
+        return any(s.request_id == seq.request_id and s.num_computed_tokens < s.num_prompt_tokens - 1
+                   for s in self.running)
+
+    def _is_verify_step(self) -> bool:
+        """Speculation: every running sequence decodes with a full set of drafts, and nobody waits
+        who could be admitted now (a step is all verify chunks or none, so shapes stay uniform)."""
+        k = self.num_drafts
+        if not k or not self.running or len(self.running) * (k + 1) > self.max_num_batched_tokens:
+            return False
+        if self.waiting and len(self.running) < self.max_num_seqs:
+            return False
+        return all(s.num_unscheduled_tokens == 1 and len(s.draft_tokens) == k for s in self.running)
+
+    def _verify_chunk(self, seq: Sequence) -> ScheduledChunk:
+        start = seq.num_scheduled_tokens
+        seq.num_scheduled_tokens = start + 1 + self.num_drafts
+        return ScheduledChunk(seq, start, 1 + self.num_drafts, sample=True, draft_tokens=list(seq.draft_tokens))
 
     def schedule_continuation(self, seqs: list[Sequence], input_tokens: torch.Tensor) -> StepPlan | None:
         """Async scheduling: one more decode position for each of ``seqs``, whose input token the
@@ -96,15 +134,17 @@ class Scheduler:
             self.cache.allocate(seq, seq.num_scheduled_tokens + 1)
             chunks.append(ScheduledChunk(seq, seq.num_scheduled_tokens, 1, sample=True))
             seq.num_scheduled_tokens += 1
-        return StepPlan(chunks, input_tokens=input_tokens)
+        state_copies, block_copies = self.cache.take_copies()  # ended sequences' states (prefix caching)
+        return StepPlan(chunks, input_tokens=input_tokens, state_copies=state_copies, block_copies=block_copies)
 
     def _chunk_len(self, seq: Sequence, budget: int) -> int:
         start = seq.num_scheduled_tokens
         n = min(seq.num_unscheduled_tokens, budget)
-        for stop in seq.chunk_stops:
-            if start < stop < start + n:
-                return stop - start
-        return n
+        stops = seq.chunk_stops
+        while stops and stops[0] <= start:
+            stops.pop(0)  # passed: a long decode must not rescan its prompt's checkpoints every step
+        inside = [stop for stop in stops if stop <= start + n] if stops and stops[0] <= start + n else []
+        return inside[-1] - start if inside else n  # the deepest checkpoint: one snapshot per chunk at most
 
     def _chunk(self, seq: Sequence, n: int, snapshots: list[tuple[int, int]]) -> ScheduledChunk:
         start = seq.num_scheduled_tokens
@@ -141,6 +181,12 @@ class Scheduler:
             if computed < chunk.end:
                 seq.num_scheduled_tokens = computed
                 self.cache.trim(seq, computed)
+            if chunk.draft_tokens and accepted < len(chunk.draft_tokens) and seq.state_slot is not None \
+                    and self.spec_row is not None and self.cache.recurrent is not None:
+                seq.pending_state_row = self.spec_row(seq.state_slot, accepted)
+            if chunk.sample:
+                seq.draft_tokens = output.draft_tokens[row] if output is not None and output.draft_tokens else []
+            self.cache.cache_computed(seq)  # prefix caching: register what is computed now
             self.cache.release_stale(seq)
             for j, token in enumerate(tokens):
                 k = seq.params.logprobs
@@ -164,6 +210,8 @@ class Scheduler:
         for snapshot in seq.snapshots.values():
             rec.free_snapshot(snapshot)
         seq.snapshots.clear()
+        seq.draft_tokens = []
+        seq.pending_state_row = None
         seq.num_computed_tokens = 0
         seq.num_scheduled_tokens = 0
 

@@ -44,6 +44,11 @@ class Sequence:
         self.state_slot: int | None = None
         self.chunk_stops: list[int] = []  # ascending positions a prefill chunk must end at (snapshots)
         self.snapshots: dict[int, int] = {}  # position -> snapshot row holding the state there
+        self.num_cached_tokens: int | None = None  # prompt positions its first admission found cached
+        self.draft_tokens: list[int] = []  # speculation: the tokens proposed to follow, verified next step
+        # speculation: after a partly accepted verify step the state lives in this row until the
+        # next step copies it into the slot (``state_row`` is where it is now)
+        self.pending_state_row: int | None = None
         self.eos_token_ids = eos_token_ids
         self.arrival = arrival
         self.max_tokens = max_tokens if max_tokens is not None else params.max_tokens  # output cap
@@ -80,6 +85,11 @@ class Sequence:
     def block_table(self) -> list[int]:
         """The first paged group's blocks (the only group of most models)."""
         return self.block_tables[0] if self.block_tables else []
+
+    @property
+    def state_row(self) -> int | None:
+        """The state row holding this sequence's recurrent state right now."""
+        return self.pending_state_row if self.pending_state_row is not None else self.state_slot
 
     @property
     def is_finished(self) -> bool:

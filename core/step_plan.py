@@ -49,6 +49,8 @@ class StepPlan:
     ``zero_slots``: fresh state slots, zeroed before the forward.
     ``state_copies``: (source row, destination row) state copies before the forward (restore).
     ``snapshots``: (slot, snapshot row) copies after the forward (checkpoint at a chunk end).
+    ``block_copies``: (source block, destination block) page copies in every paged layer before
+    the forward (a cached partial block copied before a sequence writes into it).
     """
 
     chunks: list[ScheduledChunk]
@@ -56,6 +58,7 @@ class StepPlan:
     zero_slots: list[int] = field(default_factory=list)
     state_copies: list[tuple[int, int]] = field(default_factory=list)
     snapshots: list[tuple[int, int]] = field(default_factory=list)
+    block_copies: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def seqs(self) -> list[Sequence]:
@@ -83,10 +86,12 @@ class StepOutput:
 
     ``token_ids[i]``: the tokens chunk ``i`` produced: one normally; with drafts, the accepted
     drafts followed by the token sampled after them. ``logprobs[i][j]`` / ``top[i][j]``: for token
-    ``j`` of row ``i``, when its request asked for logprobs (else None).
+    ``j`` of row ``i``, when its request asked for logprobs (else None). ``draft_tokens[i]``: with
+    speculation on, the drafts proposed for row ``i``'s next step.
     """
 
     token_ids: list[list[int]]
     logprobs: list[list[float]] | None = None
     top_ids: list[list[list[int]]] | None = None
     top_logprobs: list[list[list[float]]] | None = None
+    draft_tokens: list[list[int]] | None = None

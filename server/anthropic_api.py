@@ -83,6 +83,7 @@ def build_router(state: ServerState) -> APIRouter:
         body = parse_body(MessagesRequest, await read_json(request, state.max_body_bytes))
         model = state.model_name(body.model)
         state.require_ready()
+        state.limits.check_messages(body)
         prompt, tools, choice = await _render(state, body, state.max_model_len)
         # the tool parser and grammar of the reply: forced or strict tool calls, or a JSON output format
         plan = state.parsers.plan(prompt.text, tools, choice, _requested_structure(body),
@@ -108,7 +109,8 @@ def build_router(state: ServerState) -> APIRouter:
         stop, stop_sequence = render.stop_reason(out.finish_reason, out.stop_reason, stop_sequences,
                                                  bool(parsed.tool_calls))
         return JSONResponse(render.message_json(message_id, model, render.content_blocks(parsed), stop,
-                                                stop_sequence, len(final.prompt_token_ids), len(out.token_ids)))
+                                                stop_sequence, len(final.prompt_token_ids), len(out.token_ids),
+                                                final.num_cached_tokens))
 
     return router
 
@@ -131,7 +133,8 @@ async def _message_events(state: ServerState, stream: RequestStream, message_id:
                 if d.finished_now:
                     stop, stop_sequence = render.stop_reason(d.finish_reason, d.stop_reason, stop_sequences,
                                                              renderer.has_tool_use)
-                    for name, payload in render.message_end(stop, stop_sequence, len(out.outputs[0].token_ids)):
+                    for name, payload in render.message_end(stop, stop_sequence, len(out.outputs[0].token_ids),
+                                                            input_tokens, out.num_cached_tokens):
                         yield sse_event(name, payload)
     except Exception as exc:
         yield sse_event("error", anthropic_error_body(engine_error(exc)))

@@ -56,11 +56,12 @@ def content_blocks(parsed: ParsedMessage) -> list[dict]:
 
 
 def message_json(message_id: str, model: str, content: list[dict], stop: str | None, stop_sequence: str | None,
-                 input_tokens: int, output_tokens: int) -> dict:
+                 input_tokens: int, output_tokens: int, cached_tokens: int = 0) -> dict:
+    """``input_tokens``: the whole prompt; Anthropic counts the part read from the cache apart."""
     return {"id": message_id, "type": "message", "role": "assistant", "model": model, "content": content,
             "stop_reason": stop, "stop_sequence": stop_sequence,
-            "usage": {"input_tokens": input_tokens, "output_tokens": output_tokens,
-                      "cache_creation_input_tokens": 0, "cache_read_input_tokens": 0}}
+            "usage": {"input_tokens": input_tokens - cached_tokens, "output_tokens": output_tokens,
+                      "cache_creation_input_tokens": 0, "cache_read_input_tokens": cached_tokens}}
 
 
 def message_start(message_id: str, model: str, input_tokens: int) -> StreamEvent:
@@ -68,10 +69,16 @@ def message_start(message_id: str, model: str, input_tokens: int) -> StreamEvent
                              "message": message_json(message_id, model, [], None, None, input_tokens, 0)}
 
 
-def message_end(stop: str, stop_sequence: str | None, output_tokens: int) -> list[StreamEvent]:
+def message_end(stop: str, stop_sequence: str | None, output_tokens: int, input_tokens: int | None = None,
+                cached_tokens: int = 0) -> list[StreamEvent]:
+    """The closing events; with ``input_tokens`` the usage also says how much of the prompt was cached
+    (message_start went out before the engine knew)."""
+    usage: dict = {"output_tokens": output_tokens}
+    if input_tokens is not None:
+        usage.update(input_tokens=input_tokens - cached_tokens, cache_read_input_tokens=cached_tokens)
     return [("message_delta", {"type": "message_delta",
                                "delta": {"stop_reason": stop, "stop_sequence": stop_sequence},
-                               "usage": {"output_tokens": output_tokens}}),
+                               "usage": usage}),
             ("message_stop", {"type": "message_stop"})]
 
 

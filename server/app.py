@@ -1,4 +1,4 @@
-"""The FastAPI application: both protocols' routers, health (GET and HEAD), version, metrics, tokenize, auth, CORS, access log and error shapes."""
+"""The FastAPI application: the three protocols' routers, health (GET and HEAD), version, metrics, tokenize, auth, CORS, access log and error shapes."""
 from __future__ import annotations
 
 import hmac
@@ -16,7 +16,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from armillary import __version__
 from armillary.errors import InvalidRequestError
-from armillary.server import anthropic_api, openai_api
+from armillary.server import anthropic_api, openai_api, responses_api
 from armillary.server.access_log import AccessLogMiddleware, StatusTap, note_error
 from armillary.server.errors import APIError, bad_request, describe_validation_errors, error_response
 from armillary.server.metrics import CONTENT_TYPE
@@ -116,6 +116,7 @@ def build_app(state: ServerState, cors: CORSSettings | None = None) -> FastAPI:
     _install_error_handlers(app)
     app.include_router(openai_api.build_router(state))
     app.include_router(anthropic_api.build_router(state))
+    app.include_router(responses_api.build_router(state))
 
     @app.api_route("/health", methods=["GET", "HEAD"])  # HEAD: load balancers and `curl -I` probe with it
     async def health() -> JSONResponse:

@@ -108,14 +108,16 @@ class AsyncEngine:
 
     ``max_queue_size``: how many requests may wait for their first output at once; one more is
     refused with ``EngineOverloadedError`` (None: no bound). ``observer``: receives timing and
-    token counts (``ServerMetrics``).
+    token counts (``ServerMetrics``). ``on_dead``: called on the event loop, after every request in
+    flight was failed, when a step raised (the server exits on it: a supervisor restarts it).
     """
 
     def __init__(self, engine_factory: Callable[[], Any], max_queue_size: int | None = None,
-                 observer: Any | None = None) -> None:
+                 observer: Any | None = None, on_dead: Callable[[BaseException], None] | None = None) -> None:
         self._factory = engine_factory
         self.max_queue_size = max_queue_size
         self.observer = observer
+        self.on_dead = on_dead
         self.engine: Any | None = None  # read-only use from other threads: tokenizer, arch, limits
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
@@ -140,6 +142,11 @@ class AsyncEngine:
             raise TimeoutError("the engine did not finish loading in time")
         if self._load_error is not None:
             raise self._load_error
+
+    @property
+    def dead(self) -> BaseException | None:
+        """What a step raised, once one did; the engine serves nothing afterwards."""
+        return self._dead
 
     @property
     def ready(self) -> bool:
@@ -309,28 +316,42 @@ class AsyncEngine:
         self._loaded.set()
         in_flight: set[str] = set()  # thread side: ids added to the engine and not yet finished
         while True:
-            idle = self._dead is not None or not self.engine.has_unfinished_requests()
-            commands = self._drain(block=idle)
-            for cmd in commands:
-                if isinstance(cmd, _Stop):
-                    self._abort_everything(in_flight, EngineUnavailableError("the server is shutting down"))
+            try:
+                if self._iterate(in_flight):
                     return
-                self._handle(cmd, in_flight)
-            if self._dead is None and self.engine.has_unfinished_requests():
-                try:
-                    outputs = self.engine.step()
-                except Exception as exc:
-                    log.exception("engine step failed; the engine stops serving")
-                    self._dead = exc
-                    in_flight.clear()
-                    self._post(self._fail_all, EngineDeadError(f"the engine failed: {exc}"))
-                    continue
-                for out in outputs:
-                    if out.finished:
-                        in_flight.discard(out.request_id)
-                if outputs:
-                    self._post(self._deliver, outputs)
+            except Exception as exc:  # a step, or the engine's bookkeeping around it: the engine is gone
+                if self._dead is None:
+                    self._die(exc, in_flight)
+                else:
+                    log.warning("the dead engine raised again: %s: %s", type(exc).__name__, exc)
+
+    def _iterate(self, in_flight: set[str]) -> bool:
+        """Drain the inbox and run one step; True when told to leave the thread."""
+        idle = self._dead is not None or not self.engine.has_unfinished_requests()
+        commands = self._drain(block=idle)
+        for cmd in commands:
+            if isinstance(cmd, _Stop):
+                self._abort_everything(in_flight, EngineUnavailableError("the server is shutting down"))
+                return True
+            self._handle(cmd, in_flight)
+        if self._dead is None and self.engine.has_unfinished_requests():
+            outputs = self.engine.step()
+            for out in outputs:
+                if out.finished:
+                    in_flight.discard(out.request_id)
+            if outputs:
+                self._post(self._deliver, outputs)
+        if self._dead is None:
             self._stats = self.engine.stats()
+        return False
+
+    def _die(self, exc: BaseException, in_flight: set[str]) -> None:
+        log.error("engine step failed; the engine stops serving", exc_info=exc)
+        self._dead = exc
+        in_flight.clear()
+        self._post(self._fail_all, EngineDeadError(f"the engine failed: {exc}"))
+        if self.on_dead is not None:  # posted after the failures: clients hear first
+            self._post(self.on_dead, exc)
 
     def _drain(self, block: bool) -> list[Any]:
         commands = []

@@ -52,8 +52,19 @@ _ENGINE_FLAGS: tuple[tuple[str, type | None, str], ...] = (
     ("chat_template", str, "a .jinja file or the template text: replaces the checkpoint's chat template"),
     ("generation_config", str, "auto: sampling defaults from the checkpoint's generation_config.json; "
                                "vllm: none; or a folder holding a generation_config.json"),
+    ("state_checkpoint_interval", int, "with prefix caching on a hybrid model: snapshot recurrent states every "
+                                       "this many prompt tokens (a multiple of --block-size)"),
+    ("num_state_snapshots", int, "recurrent-state snapshot rows (default with prefix caching: a tenth of the "
+                                 "cache budget)"),
+    ("num_drafts", int, "with --speculative: draft tokens per step (1-3)"),
+    ("quantization", str, "fp8: quantize a bf16 checkpoint at load time (default: the checkpoint's own format)"),
+    ("kv_cache_dtype", str, "auto (the model dtype) or fp8 (e4m3 with per-layer scales)"),
+    ("kv_high_precision_layers", str, "with an fp8 KV cache: auto (first and last attention layer), N, or i,j,..."),
+    ("fp8_kv_calibration_tokens", int, "with an fp8 KV cache and no checkpoint scales: calibrate over this many tokens"),
     ("download_dir", str, "the Hugging Face cache folder to find repo ids in (default: HF_HUB_CACHE / HF_HOME)"),
 )
+
+_FLAG_ALIASES = {"state_checkpoint_interval": ("--ssm-checkpoint-interval",)}  # Atlas's name
 
 
 def _json_object(text: str) -> dict:
@@ -94,6 +105,19 @@ def add_serve_args(parser: argparse.ArgumentParser, registry: PluginRegistry | N
                      help="most requests waiting for their first token; more get 503 with Retry-After")
     net.add_argument("--max-request-body-bytes", type=_positive_int, default=32 * 1024 * 1024,
                      help="larger request bodies get 413")
+    net.add_argument("--request-timeout", type=float, default=None, metavar="SECONDS",
+                     help="a request still generating after this long ends with 408 (default: no limit)")
+    net.add_argument("--max-n", type=_positive_int, default=128, help="the most choices (n) one request may ask for")
+    net.add_argument("--max-stop-strings", type=_positive_int, default=16, help="the most stop strings per request")
+    net.add_argument("--max-tools", type=_positive_int, default=128, help="the most tools per request")
+    net.add_argument("--max-schema-bytes", type=_positive_int, default=64 * 1024,
+                     help="the largest JSON schema (tool parameters, output format) in bytes")
+    net.add_argument("--max-schema-depth", type=_positive_int, default=32,
+                     help="the deepest nesting of a JSON schema (tool parameters, output format)")
+    net.add_argument("--responses-store-size", type=_positive_int, default=1024,
+                     help="Responses API: the most stored responses (oldest dropped first)")
+    net.add_argument("--responses-store-ttl", type=float, default=3600.0, metavar="SECONDS",
+                     help="Responses API: seconds a stored response is kept")
     net.add_argument("--tool-call-parser", help="tool-call parser name, or 'none' (default: the model's)")
     net.add_argument("--reasoning-parser", help="reasoning parser name, or 'none' (default: the model's)")
     net.add_argument("--default-chat-template-kwargs", type=_json_object, default={},
@@ -118,12 +142,18 @@ def add_serve_args(parser: argparse.ArgumentParser, registry: PluginRegistry | N
                      help="seconds between throughput lines while busy")
     eng = parser.add_argument_group("engine")
     for dest, kind, help_text in _ENGINE_FLAGS:
-        eng.add_argument("--" + dest.replace("_", "-"), dest=dest, type=kind, help=help_text)
+        names = ["--" + dest.replace("_", "-"), *_FLAG_ALIASES.get(dest, ())]
+        eng.add_argument(*names, dest=dest, type=kind, help=help_text)
     eng.add_argument("--enforce-eager", action="store_true", default=None, help="no CUDA graphs")
     eng.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                      help="launch the next decode step before reading the last one's tokens (default: on CUDA)")
+    eng.add_argument("--speculative", action="store_true", default=None,
+                     help="speculative decoding with the checkpoint's MTP head (Atlas's flag)")
+    eng.add_argument("--speculative-config", type=_json_object, default=None,
+                     help='vLLM\'s form, e.g. \'{"method": "mtp", "num_speculative_tokens": 2}\'')
     eng.add_argument("--enable-prefix-caching", action="store_true", default=None,
-                     help="not implemented yet: refused at start-up (coming with exact prefix caching)")
+                     help="reuse the KV blocks (and, on hybrid models, recurrent-state snapshots) of prompt "
+                          "prefixes seen before; output is unchanged")
     before = {action.dest for action in parser._actions}
     try:
         impls = (registry or default_registry()).hook.armillary_add_cli_args.get_hookimpls()
@@ -138,10 +168,28 @@ def add_serve_args(parser: argparse.ArgumentParser, registry: PluginRegistry | N
     parser.set_defaults(plugin_arg_names=sorted({action.dest for action in parser._actions} - before))
 
 
+_DRAFT_METHODS = ("mtp", "qwen3_next_mtp", "qwen3_5_mtp", "deepseek_mtp", "glm4_moe_mtp")  # vLLM's names
+
+
+def _speculative_config(spec: dict | None) -> dict:
+    """vLLM's ``--speculative-config`` as armillary's fields (only the model's own MTP head drafts)."""
+    if not spec:
+        return {}
+    method = spec.get("method", "mtp")
+    if method not in _DRAFT_METHODS:
+        raise ValueError(f"speculative method {method!r} is not supported; armillary drafts with the checkpoint's "
+                         f"MTP head: {', '.join(_DRAFT_METHODS)}")
+    unknown = set(spec) - {"method", "num_speculative_tokens", "model"}
+    if unknown:
+        raise ValueError(f"unsupported --speculative-config keys: {', '.join(sorted(unknown))}")
+    return {"speculative": True, "num_drafts": spec.get("num_speculative_tokens", 2)}
+
+
 def engine_config(args: argparse.Namespace, model: str) -> EngineConfig:
     names = {f.name for f in dataclasses.fields(EngineConfig)}
     values = {name: getattr(args, name) for name in names if getattr(args, name, None) is not None}
     values["model"] = model
+    values.update(_speculative_config(getattr(args, "speculative_config", None)))
     values["plugin_args"] = {name: getattr(args, name) for name in getattr(args, "plugin_arg_names", [])}
     return EngineConfig(**values)
 
@@ -216,6 +264,10 @@ def _check_server_flags(args: argparse.Namespace) -> None:
         raise StartupError(f"--max-logprobs must be 0 or more, not {args.max_logprobs}")
     if not args.log_stats_interval > 0:
         raise StartupError(f"--log-stats-interval must be positive, not {args.log_stats_interval}")
+    if args.request_timeout is not None and not args.request_timeout > 0:
+        raise StartupError(f"--request-timeout must be positive, not {args.request_timeout}")
+    if not args.responses_store_ttl > 0:
+        raise StartupError(f"--responses-store-ttl must be positive, not {args.responses_store_ttl}")
 
 
 def _validate(config: EngineConfig) -> None:
@@ -291,8 +343,10 @@ def _load_and_serve(args: argparse.Namespace, model: str, config: EngineConfig, 
     from armillary.engine import LLMEngine
     from armillary.server.app import build_app
     from armillary.server.async_engine import AsyncEngine
+    from armillary.server.limits import RequestLimits
     from armillary.server.metrics import ServerMetrics, ThroughputLog
     from armillary.server.parsing import ParserSetup
+    from armillary.server.responses_store import ResponseStore
     from armillary.server.state import ServerState
 
     log.info("loading %s", model)
@@ -315,17 +369,44 @@ def _load_and_serve(args: argparse.Namespace, model: str, config: EngineConfig, 
     log.info("parsers: %s", parsers.describe())
     state = ServerState(engine, list(args.served_model_name or [model]), parsers, metrics, api_key,
                         dict(args.default_chat_template_kwargs), args.max_request_body_bytes,
-                        max_logprobs=args.max_logprobs, enable_auto_tool_choice=args.enable_auto_tool_choice)
+                        max_logprobs=args.max_logprobs, enable_auto_tool_choice=args.enable_auto_tool_choice,
+                        limits=RequestLimits(args.max_n, args.max_stop_strings, args.max_tools, args.max_schema_bytes,
+                                             args.max_schema_depth, args.request_timeout),
+                        responses=ResponseStore(args.responses_store_size, args.responses_store_ttl))
     app = build_app(state, _cors(args))
     throughput = None if args.disable_log_stats else ThroughputLog(metrics, args.log_stats_interval)
     server = _Server(uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off",
                                     timeout_graceful_shutdown=10), on_signal=engine.begin_shutdown,
                      throughput=throughput)
+    engine.on_dead = lambda exc: _exit_on_dead_engine(server, exc)
     try:
         server.run(sockets=[sock])
     except SystemExit as exc:  # uvicorn exits when it cannot serve
         engine.shutdown(timeout=5)
         return int(exc.code or 1)
     engine.shutdown(timeout=10)
+    if engine.dead is not None:
+        log.error("exiting with status %d: the engine failed (%s)", ENGINE_FAILED_EXIT, engine.dead)
+        return ENGINE_FAILED_EXIT
     log.info("stopped")
     return 0
+
+
+ENGINE_FAILED_EXIT = 3  # a step raised: the process exits so that a supervisor restarts it
+_DEAD_ENGINE_LINGER_S = 1.0  # /health answers 503 this long, so probes see why before the port closes
+_DEAD_ENGINE_GRACE_S = 6.0  # then the process goes regardless, however shutdown is going
+
+
+def _exit_on_dead_engine(server: uvicorn.Server, exc: BaseException) -> None:
+    """Fail fast: health answers 503 already; stop serving a moment later and never outlive the grace period."""
+    log.error("the engine failed (%s: %s); exiting in %.0f s", type(exc).__name__, exc, _DEAD_ENGINE_LINGER_S)
+    asyncio.get_running_loop().call_later(_DEAD_ENGINE_LINGER_S, setattr, server, "should_exit", True)
+
+    def force() -> None:
+        log.error("shutdown took over %.0f s; exiting with status %d", _DEAD_ENGINE_GRACE_S, ENGINE_FAILED_EXIT)
+        logging.shutdown()
+        os._exit(ENGINE_FAILED_EXIT)
+
+    timer = threading.Timer(_DEAD_ENGINE_GRACE_S, force)
+    timer.daemon = True
+    timer.start()

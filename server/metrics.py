@@ -53,9 +53,30 @@ class _EngineCollector(Collector):
         yield gauge("state_slots_used", "Recurrent-state slots held", slots_used)
         yield gauge("state_slots_usage_ratio", "Fraction of recurrent-state slots held",
                     slots_used / slots_total if slots_total else 0)
-        yield gauge("prefix_cache_hit_rate", "Prefix cache hits over lookups", s.get("prefix_cache_hit_rate", 0.0))
+        yield gauge("prefix_cache_hit_rate", "Prompt tokens the prefix cache served over prompt tokens admitted",
+                    s.get("prefix_cache_hit_rate", 0.0))
+        yield gauge("prefix_cache_hit_tokens", "Prompt tokens the prefix cache served so far",
+                    s.get("prefix_cache_hit_tokens", 0))
+        yield gauge("prefix_cache_prompt_tokens", "Prompt tokens admitted so far (first admissions)",
+                    s.get("prefix_cache_prompt_tokens", 0))
+        yield gauge("kv_blocks_cached", "KV blocks nobody holds that keep a cached prefix (evicted on demand)",
+                    s.get("kv_blocks_cached", 0))
+        yield gauge("state_snapshots_cached", "Recurrent-state snapshots the prefix cache keeps",
+                    s.get("state_snapshots_cached", 0))
+        yield gauge("state_snapshots_used", "Recurrent-state snapshot rows taken (the cached ones included)",
+                    s.get("state_snapshots_used", 0))
+        yield gauge("state_slots_held", "Ended sequences' recurrent states not yet copied out",
+                    s.get("state_slots_held", 0))
         if "num_preemptions" in s:
             yield gauge("num_preemptions", "Sequences preempted so far", s["num_preemptions"])
+        if "spec_acceptance_rate" in s:  # speculation on
+            yield gauge("spec_decode_acceptance_rate", "Accepted drafts over drafted tokens", s["spec_acceptance_rate"])
+            yield gauge("spec_decode_mean_accepted_length", "Drafts accepted per verified sequence step",
+                        s["spec_mean_accepted_length"])
+            yield gauge("spec_decode_tokens_per_step", "Tokens emitted per verified sequence step",
+                        s["spec_tokens_per_step"])
+            yield gauge("spec_decode_num_draft_tokens", "Draft tokens verified so far", s["num_draft_tokens"])
+            yield gauge("spec_decode_num_accepted_tokens", "Draft tokens accepted so far", s["num_accepted_tokens"])
 
 
 class ServerMetrics:

@@ -124,6 +124,7 @@ def build_router(state: ServerState) -> APIRouter:
         model = state.model_name(body.model)
         state.require_ready()
         _common_checks(body)
+        state.limits.check_chat(body)
         if body.top_logprobs is not None and not body.logprobs:
             raise bad_request("top_logprobs needs logprobs: true", param="top_logprobs")
         check_logprobs(body.top_logprobs, state.max_logprobs, "top_logprobs")
@@ -164,7 +165,8 @@ def build_router(state: ServerState) -> APIRouter:
                 "finish_reason": render.finish_reason(c.finish_reason, bool(parsed.tool_calls)),
             })
         completion_tokens = sum(len(c.token_ids) for c in final.outputs)
-        return JSONResponse(render.chat_response(head, choices, len(final.prompt_token_ids), completion_tokens))
+        return JSONResponse(render.chat_response(head, choices, len(final.prompt_token_ids), completion_tokens,
+                                                 final.num_cached_tokens))
 
     @router.post("/v1/completions")
     async def completions(request: Request) -> Response:
@@ -172,6 +174,7 @@ def build_router(state: ServerState) -> APIRouter:
         model = state.model_name(body.model)
         state.require_ready()
         _common_checks(body)
+        state.limits.check_completion(body)
         if body.suffix is not None:
             raise not_supported("suffix", param="suffix")
         if body.echo and body.logprobs is not None:
@@ -214,7 +217,8 @@ def build_router(state: ServerState) -> APIRouter:
                                 "finish_reason": c.finish_reason})
         prompt_tokens = sum(len(f.prompt_token_ids) for f in finals)
         completion_tokens = sum(len(c.token_ids) for f in finals for c in f.outputs)
-        return JSONResponse(render.completion_response(head, choices, prompt_tokens, completion_tokens))
+        cached_tokens = sum(f.num_cached_tokens for f in finals)
+        return JSONResponse(render.completion_response(head, choices, prompt_tokens, completion_tokens, cached_tokens))
 
     return router
 
@@ -261,7 +265,7 @@ async def _chat_events(state: ServerState, stream: RequestStream, head: render.R
     renderers = [render.ChatDeltaRenderer() for _ in range(n)]
     pending: list[list[TokenLogprob]] = [[] for _ in range(n)]
     deltas = OutputDeltas()
-    usage = (0, 0)
+    usage = (0, 0, 0)
 
     def take_logprobs(i: int) -> dict | None:
         if not want_logprobs or not pending[i]:
@@ -274,7 +278,7 @@ async def _chat_events(state: ServerState, stream: RequestStream, head: render.R
             yield sse_data(render.chat_chunk(head, i, {"role": "assistant", "content": ""},
                                              with_usage_field=include_usage))
         async for out in stream:
-            usage = (len(out.prompt_token_ids), sum(len(c.token_ids) for c in out.outputs))
+            usage = (len(out.prompt_token_ids), sum(len(c.token_ids) for c in out.outputs), out.num_cached_tokens)
             for d in deltas.update(out):
                 events = pipelines[d.index].feed(d.text) if d.text else []
                 if d.finished_now:
@@ -304,6 +308,7 @@ async def _completion_events(state: ServerState, streams: list[RequestStream], h
     offsets: dict[int, int] = {}  # choice index -> text offset of its next token (logprobs)
     prompt_tokens = [0] * len(streams)
     completion_tokens = [0] * len(streams)
+    cached_tokens = [0] * len(streams)
     try:
         for k, echo in enumerate(echoes):
             if echo:
@@ -312,6 +317,7 @@ async def _completion_events(state: ServerState, streams: list[RequestStream], h
         async for k, out in merge_streams(streams):
             prompt_tokens[k] = len(out.prompt_token_ids)
             completion_tokens[k] = sum(len(c.token_ids) for c in out.outputs)
+            cached_tokens[k] = out.num_cached_tokens
             for d in trackers[k].update(out):
                 index = k * n + d.index
                 lp = None
@@ -323,7 +329,8 @@ async def _completion_events(state: ServerState, streams: list[RequestStream], h
                     yield sse_data(render.completion_chunk(head, index, d.text, d.finish_reason, lp,
                                                            with_usage_field=include_usage))
         if include_usage:
-            yield sse_data(render.usage_chunk(head, "text_completion", sum(prompt_tokens), sum(completion_tokens)))
+            yield sse_data(render.usage_chunk(head, "text_completion", sum(prompt_tokens), sum(completion_tokens),
+                                              sum(cached_tokens)))
     except Exception as exc:
         yield sse_data(openai_error_body(engine_error(exc)))
     finally:

@@ -34,9 +34,11 @@ def finish_reason(engine_reason: str | None, has_tool_calls: bool) -> str | None
     return engine_reason
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
+    """OpenAI's usage object; ``cached_tokens``: prompt tokens the prefix cache served."""
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
 # ---- logprobs
@@ -193,9 +195,10 @@ def chat_chunk(head: ResponseHeader, index: int, delta: dict, finish: str | None
     return chunk
 
 
-def usage_chunk(head: ResponseHeader, obj: str, prompt_tokens: int, completion_tokens: int) -> dict:
+def usage_chunk(head: ResponseHeader, obj: str, prompt_tokens: int, completion_tokens: int,
+                cached_tokens: int = 0) -> dict:
     return {"id": head.id, "object": obj, "created": head.created, "model": head.model, "choices": [],
-            "usage": usage(prompt_tokens, completion_tokens)}
+            "usage": usage(prompt_tokens, completion_tokens, cached_tokens)}
 
 
 def completion_chunk(head: ResponseHeader, index: int, text: str, finish: str | None = None,
@@ -207,12 +210,13 @@ def completion_chunk(head: ResponseHeader, index: int, text: str, finish: str | 
     return chunk
 
 
-def chat_response(head: ResponseHeader, choices: list[dict], prompt_tokens: int, completion_tokens: int) -> dict:
+def chat_response(head: ResponseHeader, choices: list[dict], prompt_tokens: int, completion_tokens: int,
+                  cached_tokens: int = 0) -> dict:
     return {"id": head.id, "object": "chat.completion", "created": head.created, "model": head.model,
-            "choices": choices, "usage": usage(prompt_tokens, completion_tokens)}
+            "choices": choices, "usage": usage(prompt_tokens, completion_tokens, cached_tokens)}
 
 
 def completion_response(head: ResponseHeader, choices: list[dict], prompt_tokens: int,
-                        completion_tokens: int) -> dict:
+                        completion_tokens: int, cached_tokens: int = 0) -> dict:
     return {"id": head.id, "object": "text_completion", "created": head.created, "model": head.model,
-            "choices": choices, "usage": usage(prompt_tokens, completion_tokens)}
+            "choices": choices, "usage": usage(prompt_tokens, completion_tokens, cached_tokens)}

@@ -20,8 +20,10 @@ from armillary.server.async_engine import (
     RequestStream,
 )
 from armillary.server.errors import APIError, bad_request, from_validation_error, overloaded
+from armillary.server.limits import RequestLimits
 from armillary.server.metrics import ServerMetrics
 from armillary.server.parsing import ParserSetup
+from armillary.server.responses_store import ResponseStore
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -39,6 +41,8 @@ class ServerState:
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     max_logprobs: int = 20  # --max-logprobs: the most logprobs / top_logprobs a request may ask for
     enable_auto_tool_choice: bool = False  # --enable-auto-tool-choice (vLLM's flag)
+    limits: RequestLimits = field(default_factory=RequestLimits)  # --max-n, --max-tools, --request-timeout, ...
+    responses: ResponseStore = field(default_factory=ResponseStore)  # the Responses API's stored responses
     created: int = field(default_factory=lambda: int(time.time()))
 
     @property
@@ -79,6 +83,7 @@ class ServerState:
         except (EngineUnavailableError, EngineDeadError) as exc:
             raise APIError(503, str(exc), code="unavailable", headers={"Retry-After": "5"}) from exc
         note_stream(stream)  # its tokens and first output go into this request's access line
+        self.limits.arm_timeout(stream, self.engine.abort)
         return stream
 
     def require_ready(self) -> None:
@@ -109,6 +114,8 @@ async def read_json(request: Request, limit: int) -> dict[str, Any]:
         data = json.loads(body)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise bad_request(f"the request body is not valid JSON: {exc}") from exc
+    except RecursionError as exc:  # the decoder's own nesting limit
+        raise bad_request("the request body nests too deeply to parse") from exc
     if not isinstance(data, dict):
         raise bad_request(f"the request body must be a JSON object, not {type(data).__name__}")
     return data
@@ -125,4 +132,6 @@ def engine_error(exc: BaseException) -> APIError:
     """An error raised while streaming outputs (the engine died or is shutting down)."""
     if isinstance(exc, APIError):
         return exc
+    if isinstance(exc, EngineDeadError):  # not worth a retry here: this process exits, a supervisor restarts it
+        return APIError(500, str(exc), code="engine_failed")
     return APIError(503, str(exc) or type(exc).__name__, code="unavailable")

@@ -66,9 +66,58 @@ def test_pool_caps_at_what_max_num_seqs_can_hold_and_must_hold_one_sequence():
         _plan(GEMMA_LIKE, budget_bytes=plan.bytes_per_block * 10)
 
 
-def test_paged_groups_with_different_page_shapes_are_refused():
-    with pytest.raises(NotImplementedError, match="different page shapes"):
-        group_layers([SW, FullAttention(kv_heads=1, head_dim=16), SW], torch.float32)
+# Gemma 4-like: sliding layers 2 kv heads × 8, global layers 1 kv head × 8 (half the page) or 1 × 16 (same bytes)
+HALF = FullAttention(kv_heads=1, head_dim=8)
+GEMMA4_LIKE = [SW, SW, HALF, SW, SW, HALF, SW, HALF]
+
+
+def test_smaller_pages_pack_several_layers_into_one_storage_position():
+    groups, _ = group_layers(GEMMA4_LIKE, torch.float32)
+    assert [(g.layers, g.per_position) for g in groups] == [((0, 1), 1), ((3, 4), 1), ((6,), 1), ((2, 5, 7), 2)]
+    plan = _plan(GEMMA4_LIKE)
+    page = 2 * 2 * 8 * 4 * 4  # the sliding page: kv heads × (k + v) × head dim × fp32 × block size
+    assert plan.num_positions == 2 and plan.bytes_per_block == 2 * page and not plan.uniform_pages
+    caches, _ = allocate_caches(GEMMA4_LIKE, plan, torch.float32, torch.device("cpu"))
+    assert caches[2].k.shape == (plan.num_blocks, 4, 1, 8) and caches[0].k.shape == (plan.num_blocks, 4, 2, 8)
+    base = {i: caches[i].k.untyped_storage().data_ptr() for i in range(8)}
+    assert base[0] == base[3] == base[6] == base[2] == base[5] and base[1] == base[4] == base[7]
+    # one block's bytes at position 0: layers 2 and 5 side by side, both inside sliding layer 0's page
+    def span(t, block):
+        start = t[block].data_ptr()
+        return start, start + t[block].numel() * t.element_size()
+    spans = sorted(span(caches[i].k, 3) + span(caches[i].v, 3) for i in (2, 5))
+    assert spans[0][3] <= spans[1][0]  # layer 2's K and V end before layer 5's start
+    lo, hi = span(caches[0].k, 3)[0], span(caches[0].v, 3)[1]
+    assert lo == spans[0][0] and hi == spans[1][3]  # and together they fill sliding layer 0's page exactly
+
+
+def test_block_strided_views_write_and_read_their_own_pages_only():
+    from armillary.kernels.attention import gather_kv, write_kv
+
+    plan = _plan(GEMMA4_LIKE)
+    caches, _ = allocate_caches(GEMMA4_LIKE, plan, torch.float32, torch.device("cpu"))
+    gen = torch.Generator().manual_seed(0)
+    written = {}
+    for i in (0, 2, 5):  # two global layers sharing a position, and the sliding layer over the same bytes
+        heads = caches[i].k.shape[2]
+        k, v = torch.randn(6, heads, 8, generator=gen), torch.randn(6, heads, 8, generator=gen)
+        blocks = [5, 6] if i == 0 else [7, 9]  # different block ids: different memory, whatever the layer
+        slots = torch.tensor([blocks[t // 4] * 4 + t % 4 for t in range(6)])
+        write_kv(caches[i], k, v, slots)
+        written[i] = (k, v, torch.tensor(blocks))
+    for i, (k, v, table) in written.items():
+        got_k, got_v = gather_kv(caches[i], table, 6)
+        assert torch.equal(got_k, k) and torch.equal(got_v, v)
+
+
+def test_pages_of_one_size_but_another_shape_share_positions_one_each():
+    wide = FullAttention(kv_heads=1, head_dim=16)  # same bytes per token as SW, another shape
+    groups, _ = group_layers([SW, SW, wide, SW, SW, wide], torch.float32)
+    assert [(g.layers, g.per_position) for g in groups] == [((0, 1), 1), ((3, 4), 1), ((2, 5), 1)]
+    plan = _plan([SW, SW, wide, SW, SW, wide])
+    assert not plan.uniform_pages and _plan(GEMMA_LIKE).uniform_pages
+    caches, _ = allocate_caches([SW, SW, wide, SW, SW, wide], plan, torch.float32, torch.device("cpu"))
+    assert caches[2].k.shape[2:] == (1, 16) and caches[2].k.stride(0) == 2 * 4 * 16
 
 
 def test_hybrid_layout_keeps_recurrent_layers_in_one_row_per_slot():

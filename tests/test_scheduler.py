@@ -207,10 +207,12 @@ def test_prefill_chunks_end_at_chunk_stops_and_snapshot_there():
     sch, cache = make(block_size=4, budget=64, snapshots=2)
     a = seq(20, "a")
     a.chunk_stops = [8, 16]
+    sch.max_num_batched_tokens = 12  # the first chunk reaches 8, not 16
     sch.add(a)
     plan = sch.schedule()
     assert shape(plan) == [("a", 8)] and plan.snapshots == [(a.state_slot, cache.recurrent.num_slots)]
     run(sch, plan)
+    sch.max_num_batched_tokens = 64  # a chunk ends at the deepest stop it reaches
     plan = sch.schedule()
     assert shape(plan) == [("a", 8)] and len(plan.snapshots) == 1
     run(sch, plan)

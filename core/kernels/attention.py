@@ -18,9 +18,15 @@ def write_kv(cache: KVCache, k: torch.Tensor, v: torch.Tensor, slot_mapping: tor
     """Store new keys/values. k, v: [T, Hkv, D]; slot_mapping: [T] flat slots."""
     nb, bs = cache.k.shape[:2]
     slots = slot_mapping.long()
-    # index_copy_ / index_select, not advanced indexing: on a 2-thread CPU that costs 2-10x more
-    cache.k.view(nb * bs, *cache.k.shape[2:]).index_copy_(0, slots, k.to(cache.k.dtype))
-    cache.v.view(nb * bs, *cache.v.shape[2:]).index_copy_(0, slots, v.to(cache.v.dtype))
+    for dst, src, scale in ((cache.k, k, cache.k_scale), (cache.v, v, cache.v_scale)):
+        if scale is not None:  # fp8 pages hold x / scale, saturated; the CPU has no fp8 index_copy_: bytes
+            src = (src.float() / scale).clamp(-448.0, 448.0).to(dst.dtype).view(torch.uint8)
+            dst = dst.view(torch.uint8)
+        if dst.stride(0) == bs * dst.stride(1):
+            # index_copy_ / index_select, not advanced indexing: on a 2-thread CPU that costs 2-10x more
+            dst.view(nb * bs, *dst.shape[2:]).index_copy_(0, slots, src.to(dst.dtype))
+        else:  # a block-strided view (pages of several shapes share storage): address (block, offset)
+            dst[slots // bs, slots % bs] = src.to(dst.dtype)
 
 
 def gather_kv(cache: KVCache, block_table: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -30,7 +36,12 @@ def gather_kv(cache: KVCache, block_table: torch.Tensor, length: int) -> tuple[t
     blocks = block_table[:nblocks].long()
     k = cache.k.index_select(0, blocks).view(nblocks * bs, *cache.k.shape[2:])[:length]
     v = cache.v.index_select(0, blocks).view(nblocks * bs, *cache.v.shape[2:])[:length]
-    return k, v
+    return read_pages(k, cache.k_scale), read_pages(v, cache.v_scale)
+
+
+def read_pages(pages: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+    """Cached values as stored, or dequantized to float32 (``q · scale``) from an fp8 cache."""
+    return pages if scale is None else pages.float() * scale
 
 
 def visible(n: int, length: int, sliding_window: int | None, device: torch.device) -> torch.Tensor:
@@ -127,8 +138,8 @@ def _decode_batched(q: torch.Tensor, cache: KVCache, block_tables: torch.Tensor,
     Hkv, bs = cache.k.shape[2], cache.block_size
     nblocks = -(-max(seq_lens) // bs)
     blocks = block_tables[:, :nblocks].reshape(-1).long()
-    k = cache.k.index_select(0, blocks).view(B, nblocks * bs, Hkv, -1).float().transpose(1, 2)  # [B, Hkv, L, D]
-    v = cache.v.index_select(0, blocks).view(B, nblocks * bs, Hkv, -1).float().transpose(1, 2)  # [B, Hkv, L, Dv]
+    k = read_pages(cache.k.index_select(0, blocks), cache.k_scale).view(B, nblocks * bs, Hkv, -1).float().transpose(1, 2)  # [B, Hkv, L, D]
+    v = read_pages(cache.v.index_select(0, blocks), cache.v_scale).view(B, nblocks * bs, Hkv, -1).float().transpose(1, 2)  # [B, Hkv, L, Dv]
     qg = q.float().view(B, Hkv, Hq // Hkv, -1)  # [B, Hkv, G, D]
     scores = torch.matmul(qg, k.transpose(2, 3)).mul_(scale)  # [B, Hkv, G, L]
     lens = torch.tensor(seq_lens, device=q.device)[:, None]  # [B, 1]

@@ -97,16 +97,33 @@ class SoftmaxTopK(Protocol):
 
 class SigmoidTopK(Protocol):
     def __call__(self, router_logits: torch.Tensor, bias: torch.Tensor | None, top_k: int, renormalize: bool,
-                 scaling: float, num_shared: int) -> tuple[torch.Tensor, torch.Tensor]:
+                 scaling: float, num_shared: int, n_group: int = 1,
+                 topk_group: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
         """Sigmoid router: the top k of sigmoid(logits [T, E]) + bias [E] chosen, their unbiased scores
         (renormalised if asked) times ``scaling`` -> (weights [T, k + S] float32, ids [T, k + S]); the S =
-        ``num_shared`` extra columns are experts E.. with weight 1."""
+        ``num_shared`` extra columns are experts E.. with weight 1. ``n_group`` > 1: only experts of the
+        ``topk_group`` groups with the best top-2 sums are eligible (passed only then, by keyword)."""
 
 
 class FusedMoE(Protocol):
     def __call__(self, x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
                  topk_ids: torch.Tensor, activation: str) -> torch.Tensor:
         """x [T, H], w13 [E, 2I, H] ([gate | up]) or [E, I, H], w2 [E, H, I], topk_* [T, k] -> [T, H]."""
+
+
+class Fp8Linear(Protocol):
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block_n: int, block_k: int,
+                 bias: torch.Tensor | None) -> torch.Tensor:
+        """``x @ (weight · scale).T + bias``: x [M, K], weight float8_e4m3fn [N, K], scale fp32
+        [ceil(N / block_n), ceil(K / block_k)] (multiplied in), bias [N] or None -> [M, N] in x's dtype."""
+
+
+class Fp8FusedMoE(Protocol):
+    def __call__(self, x: torch.Tensor, w13: torch.Tensor, s13: torch.Tensor, w2: torch.Tensor, s2: torch.Tensor,
+                 block_n: int, block_k: int, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                 activation: str) -> torch.Tensor:
+        """``FusedMoE`` over fp8 experts w13 [E, 2I or I, H], w2 [E, H, I] with block scales s13
+        [E, ceil(2I / bn), ceil(H / bk)], s2 [E, ceil(H / bn), ceil(I / bk)] -> [T, H]."""
 
 
 class CausalConv1d(Protocol):
@@ -132,6 +149,8 @@ INTERFACES: dict[str, type] = {
     "sigmoid_topk": SigmoidTopK,
     "fused_moe": FusedMoE,
     "causal_conv1d": CausalConv1d,
+    "fp8_linear": Fp8Linear,
+    "fp8_fused_moe": Fp8FusedMoE,
 }
 DECLINES = frozenset({"fresh_prefill_attention"})
 

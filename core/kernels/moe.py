@@ -20,6 +20,34 @@ def softmax_topk(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> 
     return weights, ids
 
 
+def sigmoid_topk(router_logits: torch.Tensor, bias: torch.Tensor | None, top_k: int, renormalize: bool,
+                 scaling: float = 1.0, n_group: int = 1, topk_group: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sigmoid router with a selection-only correction bias, group-limited (DeepSeek-V3 / Nemotron-H / GLM).
+
+    scores = sigmoid(logits [T, E]); choice = scores + bias [E]. With ``n_group`` > 1 the experts
+    form ``n_group`` equal groups, each group scores the sum of its two best choices, and only the
+    experts of the ``topk_group`` best groups stay eligible. The ``top_k`` best eligible choices are
+    kept with their unbiased scores, renormalised (sum + 1e-20) if asked, times ``scaling``.
+    Returns (weights [T, k] float32, ids [T, k] int64).
+    """
+    scores = router_logits.float().sigmoid()
+    choice = scores if bias is None else scores + bias.float()
+    if n_group > 1:
+        num_tokens, num_experts = choice.shape
+        if num_experts % n_group:
+            raise ValueError(f"sigmoid_topk: {num_experts} experts do not split into {n_group} groups")
+        grouped = choice.view(num_tokens, n_group, num_experts // n_group)
+        group_scores = grouped.topk(min(2, grouped.shape[-1]), dim=-1).values.sum(-1)  # [T, n_group]
+        best = group_scores.topk(topk_group, dim=-1).indices
+        keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, best, True)  # [T, n_group]
+        choice = choice.masked_fill(~keep.repeat_interleave(num_experts // n_group, dim=1), float("-inf"))
+    ids = torch.topk(choice, top_k, dim=-1).indices  # [T, k]
+    weights = scores.gather(1, ids)
+    if renormalize:
+        weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+    return weights * scaling, ids
+
+
 def fused_moe(
     hidden: torch.Tensor,
     w13: torch.Tensor,

@@ -153,10 +153,16 @@ def softmax_topk_with_shared(router_logits: torch.Tensor, top_k: int,
 
 
 def sigmoid_topk(router_logits: torch.Tensor, bias: torch.Tensor | None, top_k: int, renormalize: bool,
-                 scaling: float = 1.0, num_shared: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+                 scaling: float = 1.0, num_shared: int = 0, n_group: int = 1,
+                 topk_group: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     """Sigmoid router with a selection-only correction bias [E] (Nemotron-H, GLM): -> (weights [T, k + S]
-    float32, ids [T, k + S]), the ``num_shared`` extra columns experts E.. with weight 1."""
-    return _calls(router_logits)["sigmoid_topk"](router_logits, bias, top_k, renormalize, scaling, num_shared)
+    float32, ids [T, k + S]), the ``num_shared`` extra columns experts E.. with weight 1; ``n_group`` > 1
+    limits the choice to the experts of the ``topk_group`` best groups (DeepSeek-V3 style)."""
+    call = _calls(router_logits)["sigmoid_topk"]
+    if n_group > 1:  # keyword-only when used, so implementations of the one-group signature still work
+        return call(router_logits, bias, top_k, renormalize, scaling, num_shared, n_group=n_group,
+                    topk_group=topk_group)
+    return call(router_logits, bias, top_k, renormalize, scaling, num_shared)
 
 
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
@@ -170,3 +176,18 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     """Depthwise causal conv1d of packed sequences x [T, C] (weight [C, W]) from each slot's window
     ``conv_states [slots, C, W - 1]`` (updated in place); ``state_slots`` [B]. Returns [T, C]."""
     return _calls(x)["causal_conv1d"](x, weight, bias, conv_states, state_slots, batch, activation)
+
+
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block_n: int, block_k: int,
+               bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ (weight · scale).T + bias`` for fp8 weights [N, K] with block scales [ceil(N/bn), ceil(K/bk)]
+    (per-channel: bn 1, bk K). Triton: activations quantized per token-group in the GEMM; reference:
+    the weight dequantized into x's dtype."""
+    return _calls(x)["fp8_linear"](x, weight, scale, block_n, block_k, bias)
+
+
+def fp8_fused_moe(x: torch.Tensor, w13: torch.Tensor, s13: torch.Tensor, w2: torch.Tensor, s2: torch.Tensor,
+                  block_n: int, block_k: int, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                  activation: str = "silu") -> torch.Tensor:
+    """Routed fp8 experts (``fused_moe`` with block-scaled weights): x [T, H] -> [T, H]."""
+    return _calls(x)["fp8_fused_moe"](x, w13, s13, w2, s2, block_n, block_k, topk_weights, topk_ids, activation)

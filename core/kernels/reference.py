@@ -64,15 +64,10 @@ def softmax_topk(router_logits: torch.Tensor, top_k: int, renormalize: bool,
 
 
 def sigmoid_topk(router_logits: torch.Tensor, bias: torch.Tensor | None, top_k: int, renormalize: bool,
-                 scaling: float, num_shared: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Choose on sigmoid + bias, weigh by the plain sigmoid (Nemotron-H / GLM, one group)."""
-    scores = router_logits.float().sigmoid()  # [T, E]
-    choice = scores if bias is None else scores + bias.float()
-    ids = torch.topk(choice, top_k, dim=-1).indices  # [T, k]
-    weights = scores.gather(1, ids)
-    if renormalize:
-        weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
-    weights = weights * scaling
+                 scaling: float, num_shared: int, n_group: int = 1,
+                 topk_group: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """Choose on sigmoid + bias (within the ``topk_group`` best of ``n_group`` groups), weigh by the plain sigmoid."""
+    weights, ids = _moe.sigmoid_topk(router_logits, bias, top_k, renormalize, scaling, n_group, topk_group)
     if num_shared:
         num_tokens, num_experts = router_logits.shape
         shared_ids = torch.arange(num_experts, num_experts + num_shared, device=ids.device).expand(num_tokens, -1)

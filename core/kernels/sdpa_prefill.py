@@ -51,6 +51,7 @@ def fresh_prefill_attention(
                 if end == start:
                     continue
                 k, v = gather_kv(cache, block_tables[b], end - start)  # [L, Hkv, D], [L, Hkv, Dv]
+                k, v = k.to(q.dtype), v.to(q.dtype)  # an fp8 cache comes back dequantized in fp32
                 o = F.scaled_dot_product_attention(
                     q[start:end].transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0),
                     v.transpose(0, 1).unsqueeze(0), is_causal=True, scale=scale, enable_gqa=q.shape[1] != hkv,

@@ -7,6 +7,10 @@ same number of layers ``P`` (the smallest group's count), and layer ``j`` of eve
 shares storage tensor ``j``: a block id is one page at each of the ``P`` storage positions, used
 by whichever subgroup holds it. So a sliding-window block that returns to the pool is memory any
 group can reuse, and no group reserves memory it does not use (vLLM's hybrid allocator, smaller).
+Groups whose pages differ (Gemma 4: global layers with another head_dim and kv heads than the
+sliding ones) share storage by bytes: a block id is the same number of bytes at every position,
+the largest layer page; a group with smaller pages packs ``unit // page`` layers into one position
+(the position's page holds their pages side by side), so K/V views stride by the position's page.
 Recurrent layers keep one row per state slot in a single flat buffer, so a snapshot of a slot
 (every recurrent layer at once) is one device copy.
 """
@@ -33,10 +37,19 @@ class PagedGroupPlan:
 
     spec: FullAttention | LatentAttention
     layers: tuple[int, ...]
+    per_position: int = 1  # layers packed into one storage position (pages smaller than the position's)
 
     @property
     def window(self) -> int | None:
         return self.spec.window if isinstance(self.spec, SlidingWindow) else None
+
+    @property
+    def num_positions(self) -> int:
+        return -(-len(self.layers) // self.per_position)
+
+    def position_of(self, j: int) -> tuple[int, int]:
+        """(storage position, page index inside it) of ``layers[j]``."""
+        return divmod(j, self.per_position)
 
 
 @dataclass(slots=True)
@@ -49,30 +62,49 @@ class MemoryPlan:
     paged_groups: list[PagedGroupPlan] = field(default_factory=list)
     recurrent_layers: tuple[int, ...] = ()
     num_snapshots: int = 0  # extra state rows for snapshots
+    num_spec_rows: int = 0  # speculation: K rows per slot for the states after each verified position
+
+    @property
+    def num_state_rows(self) -> int:
+        return self.num_slots + self.num_snapshots + self.num_spec_rows
+
+    def spec_row(self, slot: int, i: int) -> int:
+        """The row holding slot ``slot``'s state after verified position ``i`` (< K) of a draft chunk."""
+        return self.num_slots + self.num_snapshots + slot * (self.num_spec_rows // self.num_slots) + i
 
     @property
     def num_positions(self) -> int:
-        return max((len(g.layers) for g in self.paged_groups), default=0)
+        return max((g.num_positions for g in self.paged_groups), default=0)
+
+    @property
+    def uniform_pages(self) -> bool:
+        """One page shape in every paged group: each position is a contiguous K and V tensor pair."""
+        first = _page_shape(self.paged_groups[0].spec, None)
+        return all(g.per_position == 1 and _page_shape(g.spec, None) == first for g in self.paged_groups)
 
     def describe(self) -> str:
         kv = self.num_blocks * self.bytes_per_block / GiB
-        rows = self.num_slots + self.num_snapshots
+        rows = self.num_state_rows
         st = rows * self.bytes_per_slot / GiB
         groups = ", ".join(f"{type(g.spec).__name__}×{len(g.layers)}" + (f" w{g.window}" if g.window else "")
                            for g in self.paged_groups)
         return (f"{self.num_blocks} KV blocks of {self.block_size} tokens ({kv:.2f} GiB; groups: {groups or 'none'}), "
-                f"{self.num_slots} state slots + {self.num_snapshots} snapshots ({st:.2f} GiB)")
+                f"{self.num_slots} state slots + {self.num_snapshots} snapshots"
+                + (f" + {self.num_spec_rows} speculation rows" if self.num_spec_rows else "") + f" ({st:.2f} GiB)")
 
 
-def _page_shape(spec: FullAttention | LatentAttention, dtype: torch.dtype) -> tuple:
+def _page_shape(spec: FullAttention | LatentAttention, dtype: torch.dtype | None) -> tuple:
+    """What one layer's page looks like (dtype None: the spec's own kv_dtype, None meaning the model's)."""
+    cdt = spec.kv_dtype if dtype is None else spec.cache_dtype(dtype)
     if isinstance(spec, LatentAttention):
-        return ("latent", spec.kv_lora_rank + spec.rope_dim, spec.cache_dtype(dtype))
-    return ("kv", spec.kv_heads, spec.head_dim, spec.v_head_dim or spec.head_dim, spec.cache_dtype(dtype), spec.scaled)
+        return ("latent", spec.kv_lora_rank + spec.rope_dim, cdt)
+    return ("kv", spec.kv_heads, spec.head_dim, spec.v_head_dim or spec.head_dim, cdt, spec.scaled)
 
 
 def group_layers(layout: list[LayerCacheSpec | None], dtype: torch.dtype
                  ) -> tuple[list[PagedGroupPlan], tuple[int, ...]]:
-    """Paged groups (split to equal layer counts when there are several) and the recurrent layers."""
+    """Paged groups (split to equal storage-position counts when there are several, smaller pages packed
+    ``per_position`` to a position) and the recurrent layers."""
     buckets: dict[LayerCacheSpec, list[int]] = {}
     recurrent: list[int] = []
     for i, spec in enumerate(layout):
@@ -82,16 +114,15 @@ def group_layers(layout: list[LayerCacheSpec | None], dtype: torch.dtype
             recurrent.append(i)
         elif spec is not None:
             raise TypeError(f"unknown cache spec {spec!r}")
-    if len(buckets) > 1:
-        shapes = {_page_shape(s, dtype) for s in buckets}
-        if len(shapes) > 1:
-            raise NotImplementedError(f"paged cache groups with different page shapes {sorted(map(str, shapes))} "
-                                      "cannot share one block pool yet")
     if not buckets:
         return [], tuple(recurrent)
-    per = min(len(layers) for layers in buckets.values())
-    groups = [PagedGroupPlan(spec, tuple(layers[i:i + per]))
-              for spec, layers in buckets.items() for i in range(0, len(layers), per)]
+    # pages of one shape fill a position alone; smaller pages pack several layers into it
+    unit = max(s.bytes_per_token(dtype) for s in buckets)
+    packing = {s: (1 if len({_page_shape(b, dtype) for b in buckets}) == 1 else unit // s.bytes_per_token(dtype))
+               for s in buckets}
+    per = min(-(-len(layers) // packing[s]) for s, layers in buckets.items())  # positions per subgroup
+    groups = [PagedGroupPlan(spec, tuple(layers[i:i + per * packing[spec]]), packing[spec])
+              for spec, layers in buckets.items() for i in range(0, len(layers), per * packing[spec])]
     return groups, tuple(recurrent)
 
 
@@ -128,16 +159,19 @@ def _state_offsets(layout: list[LayerCacheSpec | None], dtype: torch.dtype) -> t
 
 def plan_memory(layout: list[LayerCacheSpec | None], *, budget_bytes: int, block_size: int, num_slots: int,
                 dtype: torch.dtype, max_model_len: int, max_num_seqs: int, max_chunk: int,
-                num_blocks_override: int | None = None, num_snapshots: int = 0) -> MemoryPlan:
+                num_blocks_override: int | None = None, num_snapshots: int = 0,
+                spec_rows_per_slot: int = 0) -> MemoryPlan:
     """State rows first (a slot per running sequence, the snapshots), then as many blocks as the rest holds.
 
     The pool is capped at what ``max_num_seqs`` sequences of ``max_model_len`` could hold and must
     hold at least one such sequence. Block id 0 and the last slot are scratch space (never handed out).
     """
     groups, recurrent = group_layers(layout, dtype)
-    page = groups[0].spec.bytes_per_token(dtype) * block_size if groups else 0  # one layer's block
-    per_block = page * max((len(g.layers) for g in groups), default=0)
+    page = max((g.spec.bytes_per_token(dtype) for g in groups), default=0) * block_size  # one position's block
+    per_block = page * max((g.num_positions for g in groups), default=0)
     per_slot = bytes_per_slot(layout, dtype)
+    num_spec_rows = num_slots * spec_rows_per_slot if recurrent else 0
+    state_rows = num_slots + num_snapshots + num_spec_rows
     per_seq = blocks_per_sequence(groups, block_size, max_model_len, max_chunk)
     useful = max_num_seqs * per_seq + 1  # + the scratch block
     if num_blocks_override is not None:
@@ -145,15 +179,16 @@ def plan_memory(layout: list[LayerCacheSpec | None], *, budget_bytes: int, block
     elif per_block == 0:
         num_blocks = 1  # no paged layer: only the scratch block
     else:
-        left = budget_bytes - (num_slots + num_snapshots) * per_slot
+        left = budget_bytes - state_rows * per_slot
         num_blocks = min(useful, max(0, left) // per_block)
         if num_blocks - 1 < per_seq:
-            need = ((num_slots + num_snapshots) * per_slot + (per_seq + 1) * per_block) / GiB
+            need = (state_rows * per_slot + (per_seq + 1) * per_block) / GiB
             raise MemoryError(
                 f"the cache budget ({budget_bytes / GiB:.2f} GiB) cannot hold one sequence of max_model_len "
                 f"{max_model_len} tokens and {num_slots - 1} state slots ({need:.2f} GiB needed); lower "
                 "--max-model-len or --max-num-seqs, or raise --gpu-memory-utilization / the CPU cache space")
-    return MemoryPlan(num_blocks, block_size, num_slots, per_block, per_slot, groups, recurrent, num_snapshots)
+    return MemoryPlan(num_blocks, block_size, num_slots, per_block, per_slot, groups, recurrent, num_snapshots,
+                      num_spec_rows)
 
 
 def allocate_caches(layout: list[LayerCacheSpec | None], plan: MemoryPlan, dtype: torch.dtype,
@@ -171,6 +206,9 @@ def allocate_caches(layout: list[LayerCacheSpec | None], plan: MemoryPlan, dtype
         return torch.from_numpy(np.zeros(nbytes, dtype=np.uint8)).view(dtype).view(*shape)
 
     caches: list[LayerCache | None] = [None] * len(layout)
+    if plan.paged_groups and not plan.uniform_pages:
+        _allocate_byte_pages(plan, dtype, device, caches, new)
+        return caches, _state_pool(layout, plan, dtype, device, caches, new)
     nb, bs = plan.num_blocks, plan.block_size
     storage: list[tuple[torch.Tensor, ...]] = []
     spec0 = plan.paged_groups[0].spec if plan.paged_groups else None
@@ -194,9 +232,50 @@ def allocate_caches(layout: list[LayerCacheSpec | None], plan: MemoryPlan, dtype
     for t in storage:  # the scratch block: read (masked) by padding rows and stale window entries
         for x in t:
             x[0].zero_()
+    return caches, _state_pool(layout, plan, dtype, device, caches, new)
+
+
+def _scales(spec: FullAttention, device: torch.device) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    if not spec.scaled:
+        return None, None
+    return torch.ones((), dtype=torch.float32, device=device), torch.ones((), dtype=torch.float32, device=device)
+
+
+def _allocate_byte_pages(plan: MemoryPlan, dtype: torch.dtype, device: torch.device,
+                         caches: list[LayerCache | None], new) -> None:
+    """Paged groups of several page shapes: one byte tensor ``[num_blocks, position page]`` per position;
+    each layer's K / V (or latent) is a strided view of its page's bytes, block stride = the position page."""
+    nb, bs = plan.num_blocks, plan.block_size
+    unit = max(g.spec.bytes_per_token(dtype) for g in plan.paged_groups) * bs
+    storage = [new(nb, unit, dtype=torch.uint8, device=device) for _ in range(plan.num_positions)]
+    for gid, group in enumerate(plan.paged_groups):
+        spec = group.spec
+        page = spec.bytes_per_token(dtype) * bs
+        cdt = spec.cache_dtype(dtype)
+        for j, layer in enumerate(group.layers):
+            position, index = group.position_of(j)
+            at = index * page
+
+            def view(offset: int, *shape: int, _s=storage[position], _cdt=cdt) -> torch.Tensor:
+                n = bs * torch.Size(shape).numel() * _size(_cdt)
+                return _s[:, offset:offset + n].view(_cdt).view(nb, bs, *shape)  # [nb, bs, *shape], block-strided
+
+            if isinstance(spec, LatentAttention):
+                caches[layer] = LatentCache(view(at, spec.kv_lora_rank + spec.rope_dim), group=gid)
+                continue
+            k = view(at, spec.kv_heads, spec.head_dim)
+            v = view(at + k[0].numel() * _size(cdt), spec.kv_heads, spec.v_head_dim or spec.head_dim)
+            caches[layer] = KVCache(k, v, gid, *_scales(spec, device))
+    for x in storage:  # the scratch block: read (masked) by padding rows and stale window entries
+        x[0].zero_()
+
+
+def _state_pool(layout: list[LayerCacheSpec | None], plan: MemoryPlan, dtype: torch.dtype, device: torch.device,
+                caches: list[LayerCache | None], new) -> StatePool | None:
+    """The recurrent layers' rows (one flat buffer) and their per-layer views into ``caches``."""
     pool = None
     if plan.recurrent_layers:
-        rows = plan.num_slots + plan.num_snapshots
+        rows = plan.num_state_rows
         buffer = new(rows, plan.bytes_per_slot, dtype=torch.uint8, device=device)
         offsets, _ = _state_offsets(layout, dtype)
         k = 0
@@ -209,7 +288,15 @@ def allocate_caches(layout: list[LayerCacheSpec | None], plan: MemoryPlan, dtype
                 k += 1
             caches[i] = RecurrentState(tuple(views))
         pool = StatePool(buffer)
-    return caches, pool
+    return pool
+
+
+def auto_snapshot_rows(budget_bytes: int, bytes_per_slot: int, max_num_seqs: int, max_model_len: int,
+                       checkpoint_interval: int, fraction: float = 0.1) -> int:
+    """Snapshot rows for prefix caching on a hybrid model when none are configured: ``fraction`` of
+    the cache budget, no more than every sequence's checkpoints and end state could use, at least 2."""
+    useful = max_num_seqs * (max_model_len // checkpoint_interval + 2)
+    return max(2, min(useful, int(budget_bytes * fraction) // bytes_per_slot))
 
 
 def cuda_cache_budget(device: torch.device, utilization: float) -> int:

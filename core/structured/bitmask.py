@@ -25,6 +25,7 @@ class TokenBitmask:
 
     bitmask: torch.Tensor
     rows: list[int]
+    valid_drafts: list[int] | None = None  # a verify step: per sequence, the drafts its grammar accepts
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
         """logits: [B, V]; sets the tokens the grammars forbid to -inf in place and returns it."""

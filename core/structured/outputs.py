@@ -82,19 +82,25 @@ class StructuredOutputs:
             state.matcher.rollback(num_tokens)
             state.num_accepted -= num_tokens
 
-    def fill_async(self, seqs: list[Sequence]) -> Future:
-        """``fill(seqs)`` on a worker thread; nothing else may touch these sequences until it is done."""
+    def fill_async(self, seqs: list[Sequence], drafts: list[list[int]] | None = None) -> Future:
+        """``fill(seqs, drafts)`` on a worker thread; nothing else may touch these sequences until it is done."""
         if self._worker is None:
             self._worker = ThreadPoolExecutor(1, thread_name_prefix="armillary-grammar")
-        return self._worker.submit(self.fill, seqs)
+        return self._worker.submit(self.fill, seqs, drafts)
 
-    def fill(self, seqs: list[Sequence]) -> TokenBitmask | None:
-        """The next-token masks of the constrained ``seqs`` (a row per sequence); None if none is constrained."""
+    def fill(self, seqs: list[Sequence], drafts: list[list[int]] | None = None) -> TokenBitmask | None:
+        """The next-token masks of the constrained ``seqs`` (a row per sequence); None if none is constrained.
+
+        With ``drafts`` (K per sequence, a verify step), K + 1 rows per sequence: row ``i`` allows
+        what may follow the first ``i`` drafts; ``valid_drafts`` says how many drafts the grammar takes.
+        """
         import xgrammar as xgr
 
         constrained = [row for row, seq in enumerate(seqs) if seq.seq_id in self._matched]
         states = [self._matched[seqs[row].seq_id] for row in constrained]
         self._sync_all([seqs[row] for row in constrained], states)
+        if drafts is not None:
+            return self._fill_drafts(seqs, drafts, constrained, states)
         rows = [row for row, state in zip(constrained, states) if not state.failed]
         matchers = [state.matcher for state in states if not state.failed]
         if not rows:
@@ -110,6 +116,37 @@ class StructuredOutputs:
         for row in rows:
             guard.restrict(bitmask[row], seqs[row].output_token_ids)
         return TokenBitmask(bitmask, rows)
+
+    def _fill_drafts(self, seqs: list[Sequence], drafts: list[list[int]], constrained: list[int],
+                     states: list[_Matched]) -> TokenBitmask | None:
+        """K + 1 mask rows per sequence: each constrained matcher walks its drafts, then rolls back."""
+        import xgrammar as xgr
+
+        width = len(drafts[0]) + 1 if drafts else 1
+        valid = [width - 1] * len(seqs)
+        bitmask = xgr.allocate_token_bitmask(len(seqs) * width, self.vocab_size)  # [B(K+1), W]
+        rows: list[int] = []
+        guard = self.compiler.utf8_guard
+        for b, state in zip(constrained, states):
+            if state.failed:
+                continue
+            taken = 0
+            for i in range(width):
+                if i and state.matcher.is_terminated():
+                    break  # a draft ended the grammar: the sequence stops there, later rows are dropped
+                row = b * width + i
+                state.matcher.fill_next_token_bitmask(bitmask, row)
+                guard.restrict(bitmask[row], seqs[b].output_token_ids + drafts[b][:i])
+                rows.append(row)
+                if i == width - 1 or not state.matcher.accept_token(drafts[b][i]):
+                    break
+                taken += 1
+            valid[b] = taken
+            if taken:
+                state.matcher.rollback(taken)
+        if not rows:
+            return None
+        return TokenBitmask(bitmask, rows, valid)
 
     def _sync_all(self, seqs: list[Sequence], states: list[_Matched]) -> None:
         """Bring each matcher to its sequence's output; the usual one new token each goes in one batch call."""

@@ -34,8 +34,12 @@ class Worker(ABC):
         """Bytes this device can spend on KV blocks and state rows."""
 
     @abstractmethod
-    def init_caches(self, layout: list[LayerCacheSpec | None], plan: MemoryPlan) -> None:
-        """Allocate the caches ``plan`` describes; capture CUDA graphs where they are used."""
+    def init_caches(self, layout: list[LayerCacheSpec | None], plan: MemoryPlan, num_drafts: int = 0,
+                    main_layers: int | None = None) -> None:
+        """Allocate the caches ``plan`` describes; capture CUDA graphs where they are used.
+
+        ``num_drafts`` > 0: speculation is on; ``layout[main_layers:]`` are the draft head's layers.
+        """
 
     @abstractmethod
     def launch(self, plan: StepPlan) -> LaunchedStep:

@@ -19,6 +19,9 @@ from armillary.parallel import SINGLE, ParallelContext, use_parallel
 from armillary.sampler import Sampler
 from armillary.sampling_params import SamplingParams
 from armillary.sequence import Sequence
+from armillary.speculative.graphs import SpecGraphs
+from armillary.speculative.proposer import DraftProposer
+from armillary.speculative.step import SpeculativeConfig
 from armillary.step_plan import ScheduledChunk, StepPlan
 from armillary.structured.outputs import StructuredOutputs
 from armillary.weights import fill_parameters
@@ -102,20 +105,35 @@ class ModelWorker(Worker):
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
 
-    def init_caches(self, layout: list[LayerCacheSpec | None], plan: MemoryPlan) -> None:
+    def init_caches(self, layout: list[LayerCacheSpec | None], plan: MemoryPlan, num_drafts: int = 0,
+                    main_layers: int | None = None) -> None:
         cfg = self.config
         self.caches, self.states = allocate_caches(layout, plan, self.dtype, self.device)
         num_groups = max(1, len(plan.paged_groups))
         scratch_block, scratch_slot = 0, plan.num_slots - 1
-        graphs = None
-        if self.device.type == "cuda" and not cfg.enforce_eager and cfg.kernel_backend == "auto":
-            max_blocks = -(-self.max_model_len // cfg.block_size)
+        speculative = proposer = None
+        if num_drafts:
+            speculative = SpeculativeConfig(num_drafts, plan.num_slots + plan.num_snapshots,
+                                            force_accept=cfg.speculative_force_accept)
+            host_lists = self.device.type != "cuda" or cfg.kernel_backend == "reference"
+            proposer = DraftProposer(self.model, self.caches[main_layers:], num_drafts, cfg.block_size, host_lists)
+        graphs = spec_graphs = None
+        use_graphs = self.device.type == "cuda" and not cfg.enforce_eager and cfg.kernel_backend == "auto"
+        max_blocks = -(-self.max_model_len // cfg.block_size)
+        if use_graphs and num_drafts:
+            spec_graphs = SpecGraphs(self.model, proposer, self.caches, min(cfg.max_num_seqs, cfg.max_graph_batch),
+                                     num_drafts, max_blocks, cfg.block_size, scratch_slot, speculative.spec_row_base,
+                                     self.device, num_groups=num_groups)
+            spec_graphs.capture()
+        if use_graphs and not num_drafts:
             graphs = CUDAGraphDecoder(self.model, self.caches, min(cfg.max_num_seqs, cfg.max_graph_batch),
                                       max_blocks, cfg.block_size, scratch_block, scratch_slot, self.device,
                                       num_groups=num_groups)
             graphs.capture()
         self.runner = ModelRunner(self.model, self.caches, cfg.block_size, self.device, Sampler(seed=cfg.seed),
-                                  graphs, structured=self.structured, states=self.states, num_groups=num_groups)
+                                  graphs, structured=self.structured, states=self.states, num_groups=num_groups,
+                                  speculative=speculative, proposer=proposer)
+        self.runner.spec_graphs = spec_graphs
 
     def launch(self, plan: StepPlan) -> LaunchedStep:
         return self.runner.launch(plan)

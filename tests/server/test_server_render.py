@@ -103,7 +103,9 @@ def test_openai_chunks_and_usage():
                      "choices": [{"index": 1, "delta": {"content": "x"}, "logprobs": None, "finish_reason": None}],
                      "usage": None}
     assert oai.usage_chunk(head, "chat.completion.chunk", 4, 6)["usage"] == {
-        "prompt_tokens": 4, "completion_tokens": 6, "total_tokens": 10}
+        "prompt_tokens": 4, "completion_tokens": 6, "total_tokens": 10, "prompt_tokens_details": {"cached_tokens": 0}}
+    assert oai.usage_chunk(head, "chat.completion.chunk", 4, 6, 3)["usage"]["prompt_tokens_details"] == {
+        "cached_tokens": 3}
     assert sse_data({"a": "é"}) == 'data: {"a":"é"}\n\n'
     assert sse_event("ping", {"type": "ping"}) == 'event: ping\ndata: {"type":"ping"}\n\n'
 

@@ -34,7 +34,7 @@ def supports_linear(device: torch.device, dtype: torch.dtype | None, *, tuned_on
 def store_kv(cache: KVCache, k: torch.Tensor, v: torch.Tensor, batch: ForwardBatch) -> None:
     from armillary.kernels.triton import kv_cache
 
-    kv_cache.write_kv_cache(k, v, cache.k, cache.v, batch.slot_mapping_of(cache))
+    kv_cache.write_kv_cache(k, v, cache.k, cache.v, batch.slot_mapping_of(cache), cache.k_scale, cache.v_scale)
 
 
 def paged_attention_decode(q: torch.Tensor, cache: KVCache, batch: ForwardBatch, scale: float,
@@ -43,7 +43,8 @@ def paged_attention_decode(q: torch.Tensor, cache: KVCache, batch: ForwardBatch,
     from armillary.kernels.triton import paged_attention as tri
 
     return tri.paged_attention_decode(q, cache.k, cache.v, batch.block_tables_of(cache), batch.seq_lens, scale,
-                                      sliding_window, softcap, max_seq_len=batch.max_seq_len, gate=gate)
+                                      sliding_window, softcap, max_seq_len=batch.max_seq_len, gate=gate,
+                                      k_scale=cache.k_scale, v_scale=cache.v_scale)
 
 
 def paged_attention_prefill(q: torch.Tensor, cache: KVCache, batch: ForwardBatch, scale: float,
@@ -53,7 +54,8 @@ def paged_attention_prefill(q: torch.Tensor, cache: KVCache, batch: ForwardBatch
 
     return tri.paged_attention_prefill(q, cache.k, cache.v, batch.block_tables_of(cache), batch.query_start_loc,
                                        batch.seq_lens, batch.max_query_len, scale, sliding_window, softcap,
-                                       max_seq_len=batch.max_seq_len, gate=gate)
+                                       max_seq_len=batch.max_seq_len, gate=gate, k_scale=cache.k_scale,
+                                       v_scale=cache.v_scale)
 
 
 def qk_norm_rope_store(query: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_weight: torch.Tensor,
@@ -62,7 +64,8 @@ def qk_norm_rope_store(query: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_
     from armillary.kernels.triton import qk_norm_rope
 
     return qk_norm_rope.qk_norm_rope_store(query, k, v, q_weight, k_weight, eps, cos, sin, cache.k, cache.v,
-                                           batch.slot_mapping_of(cache), zero_centered)
+                                           batch.slot_mapping_of(cache), zero_centered, k_scale=cache.k_scale,
+                                           v_scale=cache.v_scale)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centered: bool) -> torch.Tensor:
@@ -109,10 +112,12 @@ def softmax_topk(router_logits: torch.Tensor, top_k: int, renormalize: bool,
 
 
 def sigmoid_topk(router_logits: torch.Tensor, bias: torch.Tensor | None, top_k: int, renormalize: bool,
-                 scaling: float, num_shared: int) -> tuple[torch.Tensor, torch.Tensor]:
+                 scaling: float, num_shared: int, n_group: int = 1,
+                 topk_group: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     from armillary.kernels.triton import moe_routing
 
-    return moe_routing.topk_sigmoid_bias(router_logits, bias, top_k, renormalize, scaling, num_shared)
+    return moe_routing.topk_sigmoid_bias(router_logits, bias, top_k, renormalize, scaling, num_shared,
+                                         n_group=n_group, topk_group=topk_group)
 
 
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
@@ -128,3 +133,18 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 
     return tri.causal_conv1d_prefill(x, weight, bias, conv_states, state_slots, batch.query_start_loc,
                                      activation=activation, cu_seqlens_cpu=batch.query_start_loc_cpu)
+
+
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block_n: int, block_k: int,
+               bias: torch.Tensor | None) -> torch.Tensor:
+    from armillary.kernels.triton import fp8_gemm
+
+    return fp8_gemm.fp8_linear(x, weight, scale, block_n, block_k, bias)
+
+
+def fp8_fused_moe(x: torch.Tensor, w13: torch.Tensor, s13: torch.Tensor, w2: torch.Tensor, s2: torch.Tensor,
+                  block_n: int, block_k: int, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                  activation: str) -> torch.Tensor:
+    from armillary.kernels.triton import fp8_moe
+
+    return fp8_moe.fp8_fused_moe(x, w13, s13, w2, s2, block_n, block_k, topk_weights, topk_ids, activation)

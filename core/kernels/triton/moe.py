@@ -17,6 +17,7 @@ import triton.language as tl
 
 from armillary.kernels.triton.moe_align import moe_align
 from armillary.kernels.triton.moe_decode import (
+    ACT_GELU_TANH,
     ACT_RELU2,
     ACT_SILU,
     _activation,
@@ -28,7 +29,8 @@ from armillary.kernels.triton.moe_gemv import LOOP_STATIC, moe_gemv
 from armillary.kernels.tuning import kernel_config
 
 TUNING_PACKAGE = "armillary.kernels"
-_ACTIVATIONS = {"silu": ACT_SILU, "swish": ACT_SILU, "relu2": ACT_RELU2}
+_ACTIVATIONS = {"silu": ACT_SILU, "swish": ACT_SILU, "relu2": ACT_RELU2, "gelu_pytorch_tanh": ACT_GELU_TANH,
+                "gelu_tanh": ACT_GELU_TANH}
 
 # defaults = the H200 measurements for ~64 rows per expert and for decode (tuning/sm_90.json)
 GROUPED_DEFAULTS = {
@@ -211,7 +213,7 @@ def fused_moe(
     x: [T, H] bf16 / fp16 / fp32; w13: [E, 2I, H] rows [gate | up] (``act(gate) · up``) or
     [E, I, H] (``act(up)``, relu²); w2: [E, H, I]; topk_weights: [T, k] (float32 preferred);
     topk_ids: [T, k] int32 / int64, distinct within a row (as top-k routing gives; the decode path
-    relies on it). Returns [T, H] in x's dtype. ``activation``: "silu" | "relu2".
+    relies on it). Returns [T, H] in x's dtype. ``activation``: "silu" | "relu2" | "gelu_pytorch_tanh".
     ``path``: "auto" (GEMV kernels when T <= the "fused_moe_gemv" table's max_tokens, else decode
     kernels when T·k <= the "fused_moe_decode" table's max_pairs, else grouped), "gemv", "decode", "grouped".
     ``config`` overrides keys of the tuning-table entry fitted to the element size (benchmarks, autotuning).

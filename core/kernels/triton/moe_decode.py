@@ -13,15 +13,18 @@ import triton.language as tl
 
 ACT_SILU = 0
 ACT_RELU2 = 1
+ACT_GELU_TANH = 2  # Gemma 4's experts
 
 
 @triton.jit
 def _activation(x, ACTIVATION: tl.constexpr):
     if ACTIVATION == 0:
         return x * tl.sigmoid(x)
-    else:
+    elif ACTIVATION == 1:
         relu = tl.maximum(x, 0.0)
         return relu * relu
+    else:  # gelu_tanh(x) = x · sigmoid(2·sqrt(2/pi)·(x + 0.044715·x³))
+        return x * tl.sigmoid(1.5957691216057308 * (x + 0.044715 * x * x * x))
 
 
 @triton.jit

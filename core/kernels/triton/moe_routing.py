@@ -1,4 +1,4 @@
-"""MoE routers in one Triton launch each: softmax top-k (Qwen) and sigmoid + correction bias (Nemotron, GLM).
+"""MoE routers in one Triton launch each: softmax top-k (Qwen) and sigmoid + correction bias, group-limited (Nemotron, GLM).
 
 Both can append shared-expert columns, so a shared expert stacked behind the routed ones in
 ``w13`` / ``w2`` (ids E, E+1, ...) runs inside the same ``fused_moe`` call: its weight is
@@ -35,6 +35,9 @@ def _route_kernel(
     BLOCK_E: tl.constexpr,
     BLOCK_K: tl.constexpr,
     PDL: tl.constexpr,
+    N_GROUP: tl.constexpr,
+    TOPK_GROUP: tl.constexpr,
+    BLOCK_G: tl.constexpr,
 ):
     pdl_prologue(PDL)
     token = tl.program_id(0).to(tl.int64)
@@ -51,6 +54,23 @@ def _route_kernel(
         scores = exps / tl.sum(exps, axis=0)
         choice = scores
     choice = tl.where(in_range, choice, float("-inf"))
+    if N_GROUP > 1:
+        # group-limited choice: a group scores its two best choices; experts outside the TOPK_GROUP best are out
+        group_size = num_experts // N_GROUP
+        groups = tl.arange(0, BLOCK_G)
+        member = (experts[None, :] // group_size == groups[:, None]) & in_range[None, :]  # [G, E]
+        in_group = tl.where(member, choice[None, :], float("-inf"))
+        first = tl.max(in_group, axis=1)
+        first_at = tl.argmax(in_group, axis=1)
+        second = tl.max(tl.where(experts[None, :] == first_at[:, None], float("-inf"), in_group), axis=1)
+        group_score = tl.where(groups < N_GROUP, first + second, float("-inf"))
+        kept = tl.zeros([BLOCK_G], dtype=tl.int32)
+        for _ in tl.static_range(TOPK_GROUP):
+            best_group = tl.argmax(group_score, axis=0)
+            kept = tl.where(groups == best_group, 1, kept)
+            group_score = tl.where(groups == best_group, float("-inf"), group_score)
+        eligible = tl.max(tl.where(member, kept[:, None], 0), axis=0)  # [E]
+        choice = tl.where(eligible > 0, choice, float("-inf"))
 
     slots = tl.arange(0, BLOCK_K)
     picked_weights = tl.zeros([BLOCK_K], dtype=tl.float32)
@@ -91,12 +111,16 @@ def _route(
     scaling: float,
     num_shared: int,
     shared_gate_logits: torch.Tensor | None,
+    n_group: int = 1,
+    topk_group: int = 1,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     if router_logits.dim() != 2 or router_logits.stride(1) != 1:
         raise ValueError("router_logits must be [T, E] with unit stride along experts")
     num_tokens, num_experts = router_logits.shape
     if not 0 < top_k <= num_experts:
         raise ValueError(f"top_k {top_k} must be in 1..{num_experts}")
+    if n_group > 1 and (num_experts % n_group or num_experts // n_group < 2 or not 0 < topk_group <= n_group):
+        raise ValueError(f"{num_experts} experts need n_group {n_group} groups of >= 2 and 1 <= topk_group <= n_group")
     width = top_k + num_shared
     weights = torch.empty(num_tokens, width, dtype=torch.float32, device=router_logits.device)
     ids = torch.empty(num_tokens, width, dtype=torch.int32, device=router_logits.device)
@@ -128,6 +152,9 @@ def _route(
         RENORMALIZE=renormalize,
         BLOCK_E=block_e,
         BLOCK_K=triton.next_power_of_2(width),
+        N_GROUP=n_group,
+        TOPK_GROUP=topk_group,
+        BLOCK_G=triton.next_power_of_2(n_group),
         num_warps=1 if block_e <= 1024 else 4,  # one warp: the k argmax reductions stay in registers
         **launch_options(router_logits.device),
     )
@@ -158,11 +185,16 @@ def topk_sigmoid_bias(
     scaling: float = 1.0,
     num_shared: int = 0,
     shared_gate_logits: torch.Tensor | None = None,
+    n_group: int = 1,
+    topk_group: int = 1,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sigmoid router with a selection-only correction bias (n_group 1): Nemotron-H, GLM-4.7-Flash.
+    """Sigmoid router with a selection-only correction bias: Nemotron-H, GLM-4.7-Flash, DeepSeek-V3.
 
-    scores = sigmoid(logits); the top ``top_k`` of scores + bias ([E] float32) are chosen, their
+    scores = sigmoid(logits); with ``n_group`` > 1 only the experts of the ``topk_group`` groups
+    whose two best scores + bias sum highest are eligible (``armillary.kernels.moe.sigmoid_topk``);
+    the top ``top_k`` of scores + bias ([E] float32) are chosen, their
     unbiased scores kept, renormalised (sum + 1e-20) if asked, then times ``scaling``
     (``routed_scaling_factor``; shared columns are not scaled). Returns like ``topk_softmax``.
     """
-    return _route(router_logits, top_k, renormalize, True, bias, scaling, num_shared, shared_gate_logits)
+    return _route(router_logits, top_k, renormalize, True, bias, scaling, num_shared, shared_gate_logits, n_group,
+                  topk_group)

@@ -78,6 +78,8 @@ def _attend_range(
                 v = tl.load(v_ptrs)
             else:
                 v = tl.load(v_ptrs, mask=offs_dv[None, :] < HEAD_DIM_V, other=0.0)
+        k = k.to(q.dtype)  # an fp8 cache widens exactly; its scale is folded into the logit scale
+        v = v.to(q.dtype)
         s = tl.dot(q, k, input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_N] raw q·k
         if USE_SOFTCAP:
             # cap · tanh(x / cap) with tanh(y) = 2·sigmoid(2y) − 1, all times log2 e
@@ -111,7 +113,7 @@ def _gated(out, gate_ptrs, mask):
 @triton.jit
 def _paged_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
-    out_ptr, part_out_ptr, part_lse_ptr, gate_ptr,
+    out_ptr, part_out_ptr, part_lse_ptr, gate_ptr, k_scale_ptr, v_scale_ptr,
     scale_log2, softcap_log2, softcap_inv2, window, num_splits,
     stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     stride_bt, stride_ot, stride_oh, stride_gt, stride_gh,
@@ -120,13 +122,16 @@ def _paged_attention_kernel(
     BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr,
     SPLIT_KV: tl.constexpr, DECODE: tl.constexpr,
     USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr, HAS_GATE: tl.constexpr,
-    PDL: tl.constexpr,
+    PDL: tl.constexpr, KV_SCALED: tl.constexpr,
 ):
     """Grid (q tiles, B, Hkv · num_splits); q tiles run last-first so the longest causal rows start first.
 
     num_splits is a runtime int (no recompile per split count); SPLIT_KV says whether it exceeds 1.
     """
     pdl_prologue(PDL)
+    if KV_SCALED:  # fp8 pages hold k / k_scale and v / v_scale
+        scale_log2 = scale_log2 * tl.load(k_scale_ptr)
+        softcap_inv2 = softcap_inv2 * tl.load(k_scale_ptr)
     q_tile = tl.num_programs(0) - 1 - tl.program_id(0)
     b = tl.program_id(1)
     kvh = tl.program_id(2) // num_splits
@@ -195,6 +200,8 @@ def _paged_attention_kernel(
 
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)  # empty ranges (padded sequences, empty splits) give zeros
     out = acc / l_safe[:, None]
+    if KV_SCALED:
+        out = out * tl.load(v_scale_ptr)
     t_glob = (q_start + tok).to(tl.int64)
     dv_ok = offs_dv[None, :] < HEAD_DIM_V
     if not SPLIT_KV:
@@ -281,7 +288,8 @@ def _check_inputs(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
 def _launch(
     q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, sliding_window, softcap,
     max_query_len: int, max_seq_len: int | None, out: torch.Tensor | None, cfg: dict, block_m: int,
-    block_q: int, decode: bool, gate: torch.Tensor | None = None,
+    block_q: int, decode: bool, gate: torch.Tensor | None = None, k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     _check_inputs(q, k_cache, v_cache, block_tables)
     T, Hq, D = q.shape
@@ -308,8 +316,8 @@ def _launch(
     use_softcap = bool(softcap)
     _paged_attention_kernel[(q_tiles, B, Hkv * splits)](
         q, k_cache, v_cache, block_tables, seq_lens, query_start_loc if query_start_loc is not None else seq_lens,
-        out, part_out, part_lse, gate_arg,
-        scale * LOG2E, (softcap or 1.0) * LOG2E, 2.0 * scale / (softcap or 1.0), int(sliding_window or 0), splits,
+        out, part_out, part_lse, gate_arg, k_scale if k_scale is not None else seq_lens,
+        v_scale if v_scale is not None else seq_lens, scale * LOG2E, (softcap or 1.0) * LOG2E, 2.0 * scale / (softcap or 1.0), int(sliding_window or 0), splits,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0), out.stride(0), out.stride(1),
         gate_arg.stride(0), gate_arg.stride(1), NUM_HEADS=Hq, GROUP=Hq // Hkv, HEAD_DIM=D, HEAD_DIM_V=Dv,
@@ -317,7 +325,7 @@ def _launch(
         BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=cfg["BLOCK_N"], PAGE=page, SPLIT_KV=splits > 1, DECODE=decode,
         USE_WINDOW=bool(sliding_window), USE_SOFTCAP=use_softcap,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", HAS_GATE=gate is not None,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **launch_options(q.device),
+        KV_SCALED=k_scale is not None, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **launch_options(q.device),
     )
     if splits > 1:
         _combine_splits_kernel[(T, Hq)](
@@ -365,6 +373,8 @@ def paged_attention_decode(
     out: torch.Tensor | None = None,
     config: dict | None = None,
     gate: torch.Tensor | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One new query token per sequence over its cached context (the token itself already written).
 
@@ -375,13 +385,14 @@ def paged_attention_decode(
     results, so a CUDA graph captured with a bucket stays valid for every length. ``out``: optional
     [B, Hq, Dv] destination. ``config`` overrides the tuning-table launch config. ``gate``: optional
     [B, Hq, Dv] (unit last stride, e.g. a view of the projection); the output is then
-    ``attn · sigmoid(gate)``, each rounded to the dtype as the torch ops do. Returns [B, Hq, Dv].
+    ``attn · sigmoid(gate)``, each rounded to the dtype as the torch ops do. ``k_scale`` /
+    ``v_scale``: fp32 scalars of an fp8 cache (values stored divided by them). Returns [B, Hq, Dv].
     """
     group = q.shape[1] // k_cache.shape[2]
     cfg = _config("paged_attention_decode", DECODE_DEFAULTS, q, k_cache, config)
     block_m = max(16, triton.next_power_of_2(group))
     return _launch(q, k_cache, v_cache, block_tables, seq_lens, None, scale, sliding_window, softcap,
-                   1, max_seq_len, out, cfg, block_m, 1, True, gate)
+                   1, max_seq_len, out, cfg, block_m, 1, True, gate, k_scale, v_scale)
 
 
 def paged_attention_prefill(
@@ -399,6 +410,8 @@ def paged_attention_prefill(
     out: torch.Tensor | None = None,
     config: dict | None = None,
     gate: torch.Tensor | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of varlen new tokens over their sequences' cached K/V (new chunk already written).
 
@@ -407,7 +420,7 @@ def paged_attention_prefill(
     ``seq_lens[b] - n_b + i``. ``max_query_len`` (host int, >= every n_b) sizes the grid; mixed
     batches of prefill chunks and single-token decodes are fine. ``max_seq_len`` as in decode (it
     matters only when few query tiles exist, e.g. short chunks over long contexts). ``gate``
-    ([T, Hq, Dv]) as in decode. Returns [T, Hq, Dv].
+    ([T, Hq, Dv]), ``k_scale`` / ``v_scale`` as in decode. Returns [T, Hq, Dv].
     """
     group = q.shape[1] // k_cache.shape[2]
     pcfg = _config("paged_attention_prefill", PREFILL_DEFAULTS, q, k_cache, config)
@@ -421,4 +434,4 @@ def paged_attention_prefill(
     block_m = max(block_m, triton.next_power_of_2(group))
     block_q = block_m // group
     return _launch(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, sliding_window, softcap,
-                   max(1, max_query_len), max_seq_len, out, cfg, block_m, block_q, False, gate)
+                   max(1, max_query_len), max_seq_len, out, cfg, block_m, block_q, False, gate, k_scale, v_scale)

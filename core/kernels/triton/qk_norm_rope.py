@@ -14,6 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
+from armillary.kernels.triton.fp8_cast import cache_value
 from armillary.kernels.triton.pdl import launch_options, pdl_prologue
 
 
@@ -63,13 +64,13 @@ def _normed_rotated(
 @triton.jit
 def _qk_norm_rope_store_kernel(
     q_ptr, k_ptr, v_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr,
-    q_w_ptr, k_w_ptr, cos_ptr, sin_ptr,
+    q_w_ptr, k_w_ptr, cos_ptr, sin_ptr, k_scale_ptr, v_scale_ptr,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh, stride_ct,
     stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch,
     eps, half,
     NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, HEADS: tl.constexpr, PAGE: tl.constexpr,
-    ZERO_CENTERED: tl.constexpr, INTERLEAVED: tl.constexpr, PDL: tl.constexpr,
+    ZERO_CENTERED: tl.constexpr, INTERLEAVED: tl.constexpr, PDL: tl.constexpr, SCALED: tl.constexpr,
 ):
     """Grid (T, q head groups + kv head groups), ``HEADS`` heads a program.
 
@@ -99,12 +100,12 @@ def _qk_norm_rope_store_kernel(
             k, mask = _normed_rotated(k_ptr + t * stride_kt, stride_kh, k_w_ptr, cos_row, sin_row, heads, head_ok,
                                       eps, half, HEAD_DIM, BLOCK_D, ZERO_CENTERED, INTERLEAVED)
             k_dst = k_cache_ptr + blk * stride_kcb + off * stride_kcs + heads[:, None] * stride_kch + d[None, :]
-            tl.store(k_dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
+            tl.store(k_dst, cache_value(k, k_scale_ptr, k_cache_ptr.dtype.element_ty, SCALED), mask=mask)
             dv = tl.arange(0, BLOCK_DV)
             v_mask = head_ok[:, None] & (dv < HEAD_DIM_V)[None, :]
             v = tl.load(v_ptr + t * stride_vt + heads[:, None] * stride_vh + dv[None, :], mask=v_mask)
             v_dst = v_cache_ptr + blk * stride_vcb + off * stride_vcs + heads[:, None] * stride_vch + dv[None, :]
-            tl.store(v_dst, v.to(v_cache_ptr.dtype.element_ty), mask=v_mask)
+            tl.store(v_dst, cache_value(v, v_scale_ptr, v_cache_ptr.dtype.element_ty, SCALED), mask=v_mask)
 
 
 def _heads_per_program(num_tokens: int, num_heads: int, block_d: int) -> int:
@@ -129,6 +130,8 @@ def qk_norm_rope_store(
     slot_mapping: torch.Tensor,
     zero_centered: bool = True,
     interleaved: bool = False,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """RMSNorm each q and k head, rotate the first ``2 * cos.shape[-1]`` dims, store k and v in the cache.
 
@@ -136,6 +139,7 @@ def qk_norm_rope_store(
     views of the qkv projection); q_weight, k_weight: [D]; cos, sin: [T, rotary_dim // 2] float32
     (neox rotate-half, or ``interleaved`` pairs); k_cache: [num_blocks, block_size, Hkv, D],
     v_cache likewise with Dv; slot_mapping: [T] int on the device (negative: no store).
+    k_scale, v_scale: fp32 scalars of an fp8 cache (k and v stored as ``x / scale`` in e4m3).
     Returns q normed and rotated: a new contiguous [T, Hq, D] in q's dtype.
     """
     T, Hq, D = q.shape
@@ -161,11 +165,13 @@ def qk_norm_rope_store(
     groups = triton.cdiv(Hq, heads) + triton.cdiv(Hkv, heads)
     _qk_norm_rope_store_kernel[(T, groups)](
         q, k, v, out, k_cache, v_cache, slot_mapping, q_weight, k_weight, cos, sin,
+        k_scale if k_scale is not None else cos, v_scale if v_scale is not None else cos,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
         cos.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), float(eps), half,
         NUM_Q_HEADS=Hq, NUM_KV_HEADS=Hkv, HEAD_DIM=D, HEAD_DIM_V=Dv, BLOCK_D=block_d, BLOCK_DV=block_dv,
         HEADS=heads, PAGE=k_cache.shape[1], ZERO_CENTERED=zero_centered, INTERLEAVED=interleaved,
+        SCALED=k_scale is not None,
         num_warps=max(1, min(4, heads * max(block_d, block_dv) // 256)), **launch_options(q.device),
     )  # fmt: skip
     return out

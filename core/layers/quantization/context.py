@@ -43,13 +43,24 @@ def quantization_config_of(hf_config: Any) -> dict[str, Any] | None:
     return None
 
 
-def resolve_quant_config(hf_config: Any, registry: Any) -> QuantConfig:
+def resolve_quant_config(hf_config: Any, registry: Any, online: str | None = None) -> QuantConfig:
     """The ``QuantConfig`` that ``quantization_config.quant_method`` names (absent: unquantized).
 
     ``registry``: a ``QuantizationRegistry`` or a ``PluginRegistry`` (its ``quantizations``).
-    An unregistered method is a ``PluginError`` naming the registered ones.
+    An unregistered method is a ``PluginError`` naming the registered ones. ``online``
+    (``--quantization fp8`` / ``fp8_block``): an unquantized checkpoint is quantized while loading;
+    an FP8 checkpoint keeps its own format.
     """
     quant = quantization_config_of(hf_config)
+    if online is not None:
+        from armillary.layers.quantization.fp8 import online_quantization_config
+
+        wanted = online_quantization_config(online)
+        if quant is None:
+            quant = wanted
+        elif quant.get("quant_method") not in ("fp8", "compressed-tensors"):
+            raise PluginError(f"--quantization {online}: the checkpoint is already quantized as "
+                              f"{quant.get('quant_method')!r}; drop the flag")
     if quant is None:
         return UNQUANTIZED
     method = quant.get("quant_method")

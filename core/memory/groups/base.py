@@ -23,6 +23,9 @@ class CacheGroup(ABC):
     - ``trim(seq, num_tokens)``: return what lies past position ``num_tokens`` (positions a step
       scheduled but did not accept, e.g. rejected draft tokens).
     - ``free(seq)``: return everything ``seq`` holds here.
+    - ``blocks_for_resume(num_cached)`` (paged groups): the table indices whose blocks a sequence
+      resuming at position ``num_cached`` (prefix caching) must find cached, i.e. the keys the
+      first recomputed query reads; the others may point at scratch space.
 
     ``uses_blocks`` tells the coordinator which pool the units come from.
     """
@@ -47,6 +50,9 @@ class CacheGroup(ABC):
 
     @abstractmethod
     def free(self, seq: Sequence) -> None: ...
+
+    def blocks_for_resume(self, num_cached: int) -> range:
+        return range(0)  # a group without blocks needs none
 
     def describe(self) -> str:
         return f"{type(self).__name__}(layers {len(self.layers)})"

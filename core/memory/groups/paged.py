@@ -35,6 +35,9 @@ class FullAttentionGroup(CacheGroup):
         self.pool.release(table)
         table.clear()
 
+    def blocks_for_resume(self, num_cached: int) -> range:
+        return range(0, -(-num_cached // self.block_size))  # every key before the first recomputed query
+
 
 class SlidingWindowGroup(FullAttentionGroup):
     """A query at position ``p`` reads keys ``(p - window, p]``: once a block lies wholly before the
@@ -51,10 +54,15 @@ class SlidingWindowGroup(FullAttentionGroup):
         first_needed = seq.num_computed_tokens - self.window + 1  # oldest key the next query reads
         stale = max(0, first_needed) // self.block_size  # blocks [0, stale) hold only older keys
         table = self.table(seq)
-        for i in range(min(stale, len(table))):
-            if table[i] != self.null_block:
-                self.pool.release([table[i]])
-                table[i] = self.null_block
+        i = min(stale, len(table)) - 1
+        while i >= 0 and table[i] != self.null_block:  # released entries are a prefix: O(newly stale) per step
+            self.pool.release([table[i]])
+            table[i] = self.null_block
+            i -= 1
+
+    def blocks_for_resume(self, num_cached: int) -> range:
+        first = max(0, num_cached - self.window + 1)  # oldest key the query at ``num_cached`` reads
+        return range(first // self.block_size, -(-num_cached // self.block_size))
 
     def describe(self) -> str:
         return f"SlidingWindowGroup(layers {len(self.layers)}, window {self.window})"

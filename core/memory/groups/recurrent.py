@@ -1,6 +1,8 @@
 """The recurrent group: one state slot per running sequence (GDN, Mamba-2) and a snapshot budget."""
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from armillary.memory.groups.base import CacheGroup
 from armillary.sequence import Sequence
 
@@ -25,6 +27,7 @@ class RecurrentGroup(CacheGroup):
         self.num_snapshots = num_snapshots
         self.free_snapshots = list(range(num_slots + num_snapshots - 1, num_slots - 1, -1))
         self.fresh: list[int] = []
+        self.evict_snapshot: Callable[[], int | None] | None = None  # prefix caching: the LRU cached row
 
     @property
     def num_free(self) -> int:
@@ -46,11 +49,19 @@ class RecurrentGroup(CacheGroup):
         return None
 
     def free(self, seq: Sequence) -> None:
-        if seq.state_slot is not None:
-            if seq.state_slot in self.fresh:
-                self.fresh.remove(seq.state_slot)
-            self.free_slots.append(seq.state_slot)
-            seq.state_slot = None
+        slot = self.detach(seq)
+        if slot is not None:
+            self.free_slot(slot)
+
+    def detach(self, seq: Sequence) -> int | None:
+        """Take ``seq``'s slot away from it without freeing it (its state is still to be copied)."""
+        slot, seq.state_slot = seq.state_slot, None
+        if slot is not None and slot in self.fresh:
+            self.fresh.remove(slot)
+        return slot
+
+    def free_slot(self, slot: int) -> None:
+        self.free_slots.append(slot)
 
     def take_fresh(self) -> list[int]:
         fresh, self.fresh = self.fresh, []
@@ -63,8 +74,11 @@ class RecurrentGroup(CacheGroup):
         return len(self.free_snapshots)
 
     def new_snapshot(self) -> int | None:
-        """A snapshot row id, or None when the budget is spent."""
-        return self.free_snapshots.pop() if self.free_snapshots else None
+        """A snapshot row id (with prefix caching, the least recently used cached one when none is
+        free), or None when the budget is spent."""
+        if self.free_snapshots:
+            return self.free_snapshots.pop()
+        return self.evict_snapshot() if self.evict_snapshot is not None else None
 
     def free_snapshot(self, snapshot: int) -> None:
         if not self.num_slots <= snapshot < self.num_slots + self.num_snapshots:

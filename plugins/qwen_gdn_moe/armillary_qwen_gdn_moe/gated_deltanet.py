@@ -86,6 +86,8 @@ class GatedDeltaNet(nn.Module):
         conv_states, ssm_states = cache.tensors
         projected = self.in_proj(x)  # [T, conv_dim + value_dim + 2 HV]
         fast = ops.use_triton(x)
+        if batch.spec_state_rows is not None:
+            return self.out_proj(self._verify(projected, batch, conv_states, ssm_states, fast))
         if fast and batch.is_decode_only:
             from armillary_qwen_gdn_moe.ops.gated_delta_rule.fused_recurrent import fused_gdn_decode
 
@@ -113,6 +115,49 @@ class GatedDeltaNet(nn.Module):
             core = self._delta_rule(q, k, v, g, beta, batch, ssm_states)  # [T, HV, V]
         core = self.norm(core, z.reshape(num_tokens, self.num_v_heads, self.head_v_dim))
         return self.out_proj(core.reshape(num_tokens, self.value_dim))
+
+    def _verify(self, projected: torch.Tensor, batch: ForwardBatch, conv_states: torch.Tensor,
+                ssm_states: torch.Tensor, fast: bool) -> torch.Tensor:
+        """A verify step: every sequence has K + 1 tokens; position i < K reads the state after
+        position i - 1 and writes its own to ``spec_state_rows[:, i]``, the last writes the slot,
+        so the state after any accepted prefix survives. -> [T, value_dim]."""
+        rows = batch.spec_state_rows  # [B, K]
+        num, k = rows.shape
+        steps = projected.view(num, k + 1, -1)  # [B, K+1, P]
+        outs = []
+        for i in range(k + 1):
+            src = batch.state_slots if i == 0 else rows[:, i - 1].contiguous()  # the kernel reads unit-stride rows
+            dst = rows[:, i].contiguous() if i < k else batch.state_slots
+            mixed = steps[:, i].contiguous()
+            if fast:
+                from armillary_qwen_gdn_moe.ops.gated_delta_rule.fused_recurrent import fused_gdn_decode
+
+                outs.append(fused_gdn_decode(mixed, self.conv1d.weight[:, 0], conv_states, ssm_states, self.A_log,
+                                             self.dt_bias, self.norm.weight, self.norm.eps, src, self.num_k_heads,
+                                             self.head_k_dim, self.head_v_dim, out_slots=dst))
+            else:
+                outs.append(self._decode_reference(mixed, src, dst, conv_states, ssm_states))
+        return torch.stack(outs, dim=1).reshape(num * (k + 1), self.value_dim)
+
+    def _decode_reference(self, mixed: torch.Tensor, src: torch.Tensor, dst: torch.Tensor,
+                          conv_states: torch.Tensor, ssm_states: torch.Tensor) -> torch.Tensor:
+        """One token per sequence in plain torch, reading states ``src`` and writing ``dst``: [B, value_dim]."""
+        num = mixed.shape[0]
+        mixed_qkv, z, b, a = mixed.split([self.conv_dim, self.value_dim, self.num_v_heads, self.num_v_heads], dim=-1)
+        window = torch.cat([conv_states[src], mixed_qkv[:, :, None].to(conv_states.dtype)], dim=2)  # [B, C, KW]
+        conv = (window.float() * self.conv1d.weight[:, 0].float()).sum(-1)
+        conv_states[dst] = window[:, :, 1:]
+        conv = F.silu(conv).to(mixed.dtype)  # [B, C]
+        q, k, v = conv.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        q = q.reshape(num, self.num_k_heads, self.head_k_dim)
+        k = k.reshape(num, self.num_k_heads, self.head_k_dim)
+        v = v.reshape(num, self.num_v_heads, self.head_v_dim)
+        beta = torch.sigmoid(b)
+        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
+        o, final = recurrent_gated_delta_rule_ref(q, k, v, g, beta, list(range(num + 1)), initial_state=ssm_states[src])
+        ssm_states[dst] = final.to(ssm_states.dtype)
+        core = self.norm(o, z.reshape(num, self.num_v_heads, self.head_v_dim))
+        return core.reshape(num, self.value_dim)
 
     @staticmethod
     def _delta_rule(

@@ -53,8 +53,22 @@ class QwenHybridForCausalLM(CausalLM):
         attention = FullAttention(cfg.num_key_value_heads, cfg.head_dim)
         return [gdn_state if t == LINEAR_ATTENTION else attention for t in cfg.layer_types]
 
+    @classmethod
+    def draft_cache_layout(cls, hf_config: HFConfig) -> list[LayerCacheSpec | None]:
+        cfg = cls.parse(hf_config)
+        if cfg.mtp_num_layers == 0:
+            return []
+        if cfg.mtp_num_layers > 1:
+            raise NotImplementedError(f"{cfg.mtp_num_layers} MTP layers: armillary drafts with one")
+        return [FullAttention(cfg.num_key_value_heads, cfg.head_dim)]
+
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         return self.model(batch)
+
+    def draft_forward(self, batch: ForwardBatch, hidden: torch.Tensor) -> torch.Tensor:
+        if self.mtp is None:
+            raise NotImplementedError(f"{type(self).__name__}: this checkpoint has no MTP layers")
+        return self.mtp(batch, hidden, self.model.embed_tokens, self.model.inv_freq)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head.compute_logits(hidden)

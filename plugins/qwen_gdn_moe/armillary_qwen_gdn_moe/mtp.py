@@ -7,9 +7,12 @@ logits reuse the main ``lm_head``. The draft step that runs it belongs to the sp
 """
 from __future__ import annotations
 
+import torch
 from torch import nn
 
-from armillary.layers import ReplicatedLinear, RMSNorm
+from armillary.forward_batch import ForwardBatch
+from armillary.kernels.rotary import rotary_cos_sin
+from armillary.layers import ReplicatedLinear, RMSNorm, VocabEmbedding
 from armillary_qwen_gdn_moe.config import FULL_ATTENTION, QwenHybridConfig
 from armillary_qwen_gdn_moe.decoder import DecoderLayer
 
@@ -27,3 +30,13 @@ class MultiTokenPredictor(nn.Module):
             for i in range(cfg.mtp_num_layers)
         )
         self.norm = RMSNorm(hidden, cfg.rms_norm_eps, zero_centered=True)
+
+    def forward(self, batch: ForwardBatch, hidden: torch.Tensor, embed_tokens: VocabEmbedding,
+                inv_freq: torch.Tensor) -> torch.Tensor:
+        """batch.input_ids: [T] the token after each position; hidden: [T, H] final-normed -> [T, H]
+        final-normed. One pass uses layer 0 (Qwen's checkpoints have one MTP layer)."""
+        e = self.pre_fc_norm_embedding(embed_tokens(batch.input_ids))
+        x = self.fc(torch.cat([e, self.pre_fc_norm_hidden(hidden)], dim=-1))
+        cos, sin = rotary_cos_sin(batch.positions, inv_freq)
+        x, residual = self.layers[0](x, None, batch, batch.caches[0], cos, sin)
+        return self.norm.add(x, residual)[0]

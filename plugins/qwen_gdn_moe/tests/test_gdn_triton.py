@@ -231,3 +231,31 @@ def test_decode_config_picks_the_smallest_batch_limit(monkeypatch):
     assert fr.decode_config(16, 128, 128, cpu) == {"num_warps": 8, "split_bv": 64}
     assert fr.decode_config(17, 128, 128, cpu) == {"num_warps": 4, "split_bv": 0}
     assert fr.decode_config(17, 128, 128, cpu, {"num_warps": 2}) == {"num_warps": 2, "split_bv": 0}
+
+
+@pytest.mark.parametrize("config", [{"split_bv": 0}, {"split_bv": 8}, {"split_bv": 32}])
+def test_fused_decode_out_slots_chain_keeps_every_state(config):
+    """Verifying drafts: step i reads the rows step i - 1 wrote (``out_slots``), so each position's
+    state lands in its own row and the source rows stay as they were; the chain equals in-place steps."""
+    H, HV, K, V, batch, steps = 2, 4, 24, 20, 3, 3
+    gen = torch.Generator().manual_seed(21)
+    num_rows = batch * (steps + 1)
+    params, conv_states, ssm_states = _decode_case(H, HV, K, V, torch.float32, num_rows, gen)
+    dev = {name: t.to(DEVICE) for name, t in params.items()}
+    mixed = [torch.randn(batch, 2 * H * K + 2 * HV * V + 2 * HV, generator=gen) for _ in range(steps)]
+    slots = torch.arange(batch)
+    ref_conv, ref_ssm = conv_states.clone(), ssm_states.clone()
+    got_conv, got_ssm = conv_states.to(DEVICE, copy=True), ssm_states.to(DEVICE, copy=True)
+    rows = [slots] + [batch * (i + 1) + torch.arange(batch) for i in range(steps)]  # row chain per step
+    for i in range(steps):
+        ref = _decode_reference(mixed[i], params["conv_weight"], ref_conv, ref_ssm, params["A_log"],
+                                params["dt_bias"], params["norm_weight"], slots, H, K, V)
+        out = fused_gdn_decode(mixed[i].to(DEVICE), dev["conv_weight"], got_conv, got_ssm, dev["A_log"],
+                               dev["dt_bias"], dev["norm_weight"], 1e-6, rows[i].to(DEVICE), H, K, V, config=config,
+                               out_slots=rows[i + 1].to(DEVICE))
+        assert _rel_err(out, ref) < TOL[torch.float32]
+        assert torch.equal(got_conv.cpu()[rows[i + 1]], ref_conv[slots])
+        assert _rel_err(got_ssm[rows[i + 1]], ref_ssm[slots]) < TOL[torch.float32]
+    assert torch.equal(got_conv.cpu()[slots], conv_states[slots])  # the sources were only read
+    assert torch.equal(got_ssm.cpu()[slots], ssm_states[slots])
+    assert not ticket_buffer(torch.device(DEVICE), 0).any()

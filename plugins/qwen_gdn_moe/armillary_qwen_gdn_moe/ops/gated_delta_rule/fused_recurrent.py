@@ -69,14 +69,15 @@ def _conv_out(row, window, weight, ch, m_ch, stride_w, KW: tl.constexpr):
 
 
 @triton.jit
-def _shift_window(row, window, ch, m_ch, KW: tl.constexpr):
-    """Window taps of ``ch`` <- (old taps 1 .. KW-2, new token); rereads what this program loaded
-    before (L1 hits). Only once no other program still needs the old window."""
+def _shift_window(row, window, window_out, ch, m_ch, KW: tl.constexpr):
+    """Window taps of ``ch`` in ``window_out`` <- (old taps 1 .. KW-2 of ``window``, new token);
+    rereads what this program loaded before (L1 hits). In place (the same row): only once no other
+    program still needs the old window."""
     for m in tl.static_range(KW - 2):
         later = tl.load(window + ch * (KW - 1) + m + 1, mask=m_ch)
-        tl.store(window + ch * (KW - 1) + m, later, mask=m_ch)
+        tl.store(window_out + ch * (KW - 1) + m, later, mask=m_ch)
     x = tl.load(row + ch, mask=m_ch)
-    tl.store(window + ch * (KW - 1) + (KW - 2), x.to(window.dtype.element_ty), mask=m_ch)
+    tl.store(window_out + ch * (KW - 1) + (KW - 2), x.to(window_out.dtype.element_ty), mask=m_ch)
 
 
 @triton.jit
@@ -97,7 +98,7 @@ def _gates(row, a_log, dt_bias, i_hv, GATE_OFFSET: tl.constexpr, NUM_V_HEADS: tl
 
 @triton.jit
 def _key_head_step(
-    mixed, conv_weight, conv_states, ssm_states, a_log, dt_bias, norm_weight, state_slots, out,
+    mixed, conv_weight, conv_states, ssm_states, a_log, dt_bias, norm_weight, state_slots, out_slots, out,
     stride_mixed, stride_w, stride_conv, stride_ssm, stride_out, eps, scale,
     NUM_K_HEADS: tl.constexpr, GROUP: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     KW: tl.constexpr, KW_P2: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
@@ -110,8 +111,10 @@ def _key_head_step(
     VALUE_DIM: tl.constexpr = NUM_V_HEADS * V
     CONV_DIM: tl.constexpr = 2 * KEY_DIM + VALUE_DIM
     slot = tl.load(state_slots + i_b).to(tl.int64)
+    slot_out = tl.load(out_slots + i_b).to(tl.int64)  # the state row written (== slot except when verifying drafts)
     row = mixed + i_b.to(tl.int64) * stride_mixed  # [q | k | v | z | b | a] of this token
     window = conv_states + slot * stride_conv
+    window_out = conv_states + slot_out * stride_conv
     out += i_b.to(tl.int64) * stride_out
 
     o_k = tl.arange(0, BK)
@@ -133,6 +136,7 @@ def _key_head_step(
         beta, decay = _gates(row, a_log, dt_bias, i_hv, CONV_DIM + VALUE_DIM, NUM_V_HEADS)
 
         p_s = ssm_states + slot * stride_ssm + i_hv * K * V
+        p_s_out = ssm_states + slot_out * stride_ssm + i_hv * K * V
         s = tl.load(p_s + offs, mask=m_s, other=0.0) * decay  # [BK, BV]
         delta = beta * (v - tl.sum(s * k[:, None], 0))  # what the decayed state does not yet predict
         s += k[:, None] * delta[None, :]
@@ -143,16 +147,16 @@ def _key_head_step(
         z = tl.load(row + CONV_DIM + i_hv * V + o_v, mask=m_v, other=0.0).to(tl.float32)
         y = o * rstd * w * z * tl.sigmoid(z)
         tl.debug_barrier()  # this head's (and, first time, q/k's) old windows and state are all read
-        tl.store(p_s + offs, s, mask=m_s)
-        _store_window(window, ch_v, m_v, v_win, KW, KW_P2)
+        tl.store(p_s_out + offs, s, mask=m_s)
+        _store_window(window_out, ch_v, m_v, v_win, KW, KW_P2)
         tl.store(out + i_hv * V + o_v, y.to(out.dtype.element_ty), mask=m_v)
-    _store_window(window, i_kh * K + o_k, m_k, q_win, KW, KW_P2)
-    _store_window(window, KEY_DIM + i_kh * K + o_k, m_k, k_win, KW, KW_P2)
+    _store_window(window_out, i_kh * K + o_k, m_k, q_win, KW, KW_P2)
+    _store_window(window_out, KEY_DIM + i_kh * K + o_k, m_k, k_win, KW, KW_P2)
 
 
 @triton.jit
 def _value_split_step(
-    mixed, conv_weight, conv_states, ssm_states, a_log, dt_bias, norm_weight, state_slots, out,
+    mixed, conv_weight, conv_states, ssm_states, a_log, dt_bias, norm_weight, state_slots, out_slots, out,
     tickets, rows, partials,
     stride_mixed, stride_w, stride_conv, stride_ssm, stride_out, eps, scale,
     NUM_K_HEADS: tl.constexpr, GROUP: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
@@ -170,8 +174,10 @@ def _value_split_step(
     VALUE_DIM: tl.constexpr = NUM_V_HEADS * V
     CONV_DIM: tl.constexpr = 2 * KEY_DIM + VALUE_DIM
     slot = tl.load(state_slots + i_b).to(tl.int64)
+    slot_out = tl.load(out_slots + i_b).to(tl.int64)
     row = mixed + i_b.to(tl.int64) * stride_mixed  # [q | k | v | z | b | a] of this token
     window = conv_states + slot * stride_conv
+    window_out = conv_states + slot_out * stride_conv
     out += i_b.to(tl.int64) * stride_out
 
     o_k = tl.arange(0, BK)
@@ -179,6 +185,7 @@ def _value_split_step(
     o_v = i_v * BV + tl.arange(0, BV)
     m_v = o_v < V
     p_s = ssm_states + slot * stride_ssm + i_hv * K * V + o_k[:, None] * V + o_v[None, :]
+    p_s_out = p_s + (slot_out - slot) * stride_ssm
     m_s = m_k[:, None] & m_v[None, :]
     s = tl.load(p_s, mask=m_s, other=0.0)  # [BK, BV] issued first: the one long load
 
@@ -211,16 +218,16 @@ def _value_split_step(
     # every thread has read the old windows and state, and made its scratch stores before the release below
     tl.debug_barrier()
     if GROUP * NV == 1:  # the key head's windows are ours alone too
-        tl.store(p_s, s, mask=m_s)
-        _shift_window(row, window, ch_v, m_v, KW)
-        _shift_window(row, window, ch_q, m_k, KW)
-        _shift_window(row, window, KEY_DIM + ch_q, m_k, KW)
+        tl.store(p_s_out, s, mask=m_s)
+        _shift_window(row, window, window_out, ch_v, m_v, KW)
+        _shift_window(row, window, window_out, ch_q, m_k, KW)
+        _shift_window(row, window, window_out, KEY_DIM + ch_q, m_k, KW)
     else:
         p_ticket = tickets + i_b * NUM_K_HEADS + i_kh
         ticket = tl.atomic_add(p_ticket, 1, sem="acq_rel")
         # the state and v window (ours alone) after the ticket: the release need not wait for them
-        tl.store(p_s, s, mask=m_s)
-        _shift_window(row, window, ch_v, m_v, KW)
+        tl.store(p_s_out, s, mask=m_s)
+        _shift_window(row, window, window_out, ch_v, m_v, KW)
         if ticket == GROUP * NV - 1:  # last of the key head: every old q/k window read, every row part written
             if NV > 1:
                 o_p = tl.arange(0, NV_P2)
@@ -232,14 +239,14 @@ def _value_split_step(
                     rstd = tl.rsqrt(tl.sum(part, 0) / V + eps)  # fixed summation order: deterministic
                     g = tl.load(rows + head * V + o_r, mask=o_r < V, other=0.0, cache_modifier=".cg")
                     tl.store(out + (i_kh * GROUP + j) * V + o_r, (g * rstd).to(out.dtype.element_ty), mask=o_r < V)
-            _shift_window(row, window, ch_q, m_k, KW)
-            _shift_window(row, window, KEY_DIM + ch_q, m_k, KW)
+            _shift_window(row, window, window_out, ch_q, m_k, KW)
+            _shift_window(row, window, window_out, KEY_DIM + ch_q, m_k, KW)
             tl.store(p_ticket, 0)  # ready for the next launch (and graph replay)
 
 
 @triton.jit
 def _gdn_decode_kernel(
-    mixed, conv_weight, conv_states, ssm_states, a_log, dt_bias, norm_weight, state_slots, out,
+    mixed, conv_weight, conv_states, ssm_states, a_log, dt_bias, norm_weight, state_slots, out_slots, out,
     tickets, rows, partials,
     stride_mixed, stride_w, stride_conv, stride_ssm, stride_out, eps, scale,
     NUM_K_HEADS: tl.constexpr, GROUP: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
@@ -249,13 +256,13 @@ def _gdn_decode_kernel(
     pdl_prologue(PDL)
     if SPLIT:
         _value_split_step(
-            mixed, conv_weight, conv_states, ssm_states, a_log, dt_bias, norm_weight, state_slots, out,
+            mixed, conv_weight, conv_states, ssm_states, a_log, dt_bias, norm_weight, state_slots, out_slots, out,
             tickets, rows, partials, stride_mixed, stride_w, stride_conv, stride_ssm, stride_out, eps, scale,
             NUM_K_HEADS, GROUP, K, V, KW, KW_P2, BK, BV, NV, NV_P2, BV_ROW,
         )
     else:
         _key_head_step(
-            mixed, conv_weight, conv_states, ssm_states, a_log, dt_bias, norm_weight, state_slots, out,
+            mixed, conv_weight, conv_states, ssm_states, a_log, dt_bias, norm_weight, state_slots, out_slots, out,
             stride_mixed, stride_w, stride_conv, stride_ssm, stride_out, eps, scale,
             NUM_K_HEADS, GROUP, K, V, KW, KW_P2, BK, BV,
         )
@@ -289,6 +296,7 @@ def fused_gdn_decode(
     head_v_dim: int,
     out: torch.Tensor | None = None,
     config: dict | None = None,
+    out_slots: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The Gated DeltaNet mixer of one decode token per sequence, between in_proj and out_proj.
 
@@ -298,7 +306,9 @@ def fused_gdn_decode(
     norm_weight: [V]; state_slots: [B] int (distinct, except padding rows whose results nobody
     reads). conv_states and ssm_states of those slots are updated in place. q, k are
     L2-normalised (eps 1e-6 inside the root), q scaled by K^-0.5. ``out``: optional [B, HV·V]
-    destination; ``config`` ({"num_warps", "split_bv"}) overrides the tuning table.
+    destination; ``config`` ({"num_warps", "split_bv"}) overrides the tuning table. ``out_slots``:
+    [B] rows to write the new states to instead of ``state_slots`` (verifying drafts: each
+    position's state kept apart; must not be another token's ``state_slots`` row).
     Returns [B, HV·V] in mixed's dtype, ready for out_proj.
     """
     num_v_heads = A_log.shape[0]
@@ -319,6 +329,8 @@ def fused_gdn_decode(
             raise ValueError("fused_gdn_decode: mixed and conv_weight need a contiguous last dim")
     if conv_states.stride()[1:] != (kw - 1, 1) or ssm_states.stride()[1:] != (head_k_dim * head_v_dim, head_v_dim, 1):
         raise ValueError("fused_gdn_decode: conv_states and ssm_states must be contiguous per slot")
+    if any(t is not None and t.numel() > 1 and t.stride(0) != 1 for t in (state_slots, out_slots)):
+        raise ValueError("fused_gdn_decode: state_slots and out_slots must be unit-stride")
     batch = mixed.shape[0]
     if out is None:
         out = torch.empty(batch, value_dim, dtype=mixed.dtype, device=mixed.device)
@@ -342,7 +354,8 @@ def fused_gdn_decode(
         grid = (batch, num_k_heads)
         tickets, rows, partials = state_slots, ssm_states, ssm_states  # not touched
     _gdn_decode_kernel[grid](
-        mixed, conv_weight, conv_states, ssm_states, A_log, dt_bias, norm_weight, state_slots, out,
+        mixed, conv_weight, conv_states, ssm_states, A_log, dt_bias, norm_weight, state_slots,
+        state_slots if out_slots is None else out_slots, out,
         tickets, rows, partials,
         mixed.stride(0), conv_weight.stride(0), conv_states.stride(0), ssm_states.stride(0), out.stride(0),
         eps, head_k_dim**-0.5,

@@ -1,0 +1,228 @@
+"""FP8 benchmark at the Qwen3.6-35B-A3B-FP8 shape: fp8 weights and KV vs the roofline measured in the same run.
+
+Random bf16 weights at the real config (``load_format="dummy"``), quantized by the engine while
+loading to 128 x 128 block fp8 (``quantization="fp8_block"``: the layout of the published FP8
+checkpoint). Phases (``--phase``, comma-separated; each prints one line per figure and adds to
+the JSON written to ``$OUT/fp8_bench.json``):
+
+- ``speed``: batch-1 decode (1K prompt, 256 new), 64 streams (1K prompt, 128 new), 16K prefill,
+  with fp8 KV (high-precision layers ``auto``) and CUDA graphs; each against its roofline (copy
+  bandwidth and fp8 ``_scaled_mm`` rate measured here).
+- ``kv``: KV pool token count at the same ``--gpu-memory-utilization`` for bf16 KV, fp8 KV (auto)
+  and fp8 KV (no high-precision layers), and batch-1 decode at 32K context with bf16 vs fp8 KV.
+- ``logits``: 256 greedy decode steps on the fast path (Triton, eager so every logits row is
+  seen) vs the reference backend (weights dequantized into bf16 by the torch references):
+  tokens agreeing and the logits' relative error while they agree.
+
+    python bench/fp8_bench.py --phase speed
+    python bench/fp8_bench.py --phase kv
+    python bench/fp8_bench.py --phase logits
+    python bench/fp8_bench.py --tiny --device cpu --phase speed,kv,logits   # smoke test of the driver
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from qwen_bench import Ours, copy_bandwidth, real_config, sync  # noqa: E402
+
+RESULTS: dict[str, float] = {}
+
+
+def report(name: str, value: float, note: str = "") -> None:
+    RESULTS[name] = value
+    print(f"{name}: {value:.4g}{'  ' + note if note else ''}", flush=True)
+
+
+def fp8_matmul_flops(device: str) -> float:
+    """fp8 dense GEMM rate of this GPU (torch._scaled_mm, 8192^3), FLOP/s; NaN where unavailable."""
+    if device != "cuda":
+        return float("nan")
+    try:
+        n = 8192
+        a = torch.randn(n, n, device=device).to(torch.float8_e4m3fn)
+        b = torch.randn(n, n, device=device).to(torch.float8_e4m3fn)
+        one = torch.ones((), device=device)
+        mm = lambda: torch._scaled_mm(a, b.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16)  # noqa: E731
+        for _ in range(3):
+            mm()
+        sync(device)
+        t = time.perf_counter()
+        for _ in range(20):
+            mm()
+        sync(device)
+        return 2 * n ** 3 * 20 / (time.perf_counter() - t)
+    except (RuntimeError, TypeError) as exc:  # an fp8 GEMM this build of torch does not have
+        print(f"fp8 _scaled_mm unavailable ({exc}); prefill roofline not measured", flush=True)
+        return float("nan")
+
+
+def kv_bytes_per_token(cfg: dict, fp8_layers: int) -> int:
+    full = sum(1 for t in cfg["layer_types"] if t == "full_attention")
+    per_layer = 2 * cfg["num_key_value_heads"] * cfg["head_dim"]  # K and V values
+    return (full - fp8_layers) * per_layer * 2 + fp8_layers * per_layer
+
+
+def fp8_decode_bytes(cfg: dict, batch: int, context: int, fp8_kv_layers: int) -> float:
+    """Bytes a decode step must move: fp8 weights touched (+ their block scales), bf16 router and
+    LM head, recurrent states read and written, KV of every sequence."""
+    h, v, layers = cfg["hidden_size"], cfg["vocab_size"], cfg["num_hidden_layers"]
+    full = sum(1 for t in cfg["layer_types"] if t == "full_attention")
+    lin = layers - full
+    hd, nq, nkv = cfg["head_dim"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    attn = h * nq * hd * 2 + 2 * h * nkv * hd + nq * hd * h
+    kd = cfg["linear_num_key_heads"] * cfg["linear_key_head_dim"]
+    vd = cfg["linear_num_value_heads"] * cfg["linear_value_head_dim"]
+    gdn = h * (2 * kd + 2 * vd + 2 * cfg["linear_num_value_heads"]) + vd * h
+    e, k, inter = cfg["num_experts"], cfg["num_experts_per_tok"], cfg["moe_intermediate_size"]
+    touched = e * (1 - (1 - k / e) ** batch)  # expected distinct experts for ``batch`` tokens
+    moe = (touched + 1) * 3 * h * inter  # + the shared expert (as wide as a routed one)
+    fp8 = full * attn + lin * gdn + layers * moe
+    weights = fp8 * (1 + 4 / (128 * 128)) + 2 * (layers * h * (e + 1) + v * h)
+    state = batch * lin * cfg["linear_num_value_heads"] * cfg["linear_key_head_dim"] * cfg["linear_value_head_dim"] * 4 * 2
+    return weights + state + batch * context * kv_bytes_per_token(cfg, fp8_kv_layers)
+
+
+def prefill_flops_per_token(cfg: dict, length: int) -> float:
+    """Matmul FLOPs per prompt token: active weights (top-k + shared experts) and causal attention."""
+    h, layers = cfg["hidden_size"], cfg["num_hidden_layers"]
+    full = sum(1 for t in cfg["layer_types"] if t == "full_attention")
+    hd, nq, nkv = cfg["head_dim"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    attn = h * nq * hd * 2 + 2 * h * nkv * hd + nq * hd * h
+    kd = cfg["linear_num_key_heads"] * cfg["linear_key_head_dim"]
+    vd = cfg["linear_num_value_heads"] * cfg["linear_value_head_dim"]
+    gdn = h * (2 * kd + 2 * vd + 2 * cfg["linear_num_value_heads"]) + vd * h
+    moe = (cfg["num_experts_per_tok"] + 1) * 3 * h * cfg["moe_intermediate_size"]
+    weights = full * attn + (layers - full) * gdn + layers * moe
+    return 2 * weights + full * 2 * 2 * nq * hd * length / 2
+
+
+def engine(path: Path, args, **kw) -> Ours:
+    base = dict(quantization="fp8_block", kv_cache_dtype="fp8")
+    base.update(kw)
+    max_len, max_seqs, eager = base.pop("max_len"), base.pop("max_seqs", 64), base.pop("eager", args.eager)
+    return Ours(path, args.device, max_len=max_len, max_seqs=max_seqs, eager=eager, **base)
+
+
+def free(ours: Ours | None) -> None:
+    del ours
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def fp8_kv_layer_count(ours: Ours) -> int:
+    return sum(1 for c in ours.engine.worker.caches if getattr(c, "k_scale", None) is not None)
+
+
+def pool_tokens(ours: Ours) -> int:
+    plan = ours.engine.plan
+    return (plan.num_blocks - 1) * plan.block_size // max(1, len(plan.paged_groups))
+
+
+def phase_speed(path: Path, cfg: dict, args, bw: float, flops: float, s: int) -> None:
+    ours = engine(path, args, max_len=16384 // s + 512)
+    report("engine start-up s", ours.startup)
+    ours.run(1, 64, 4)  # warm-up: compiles kernels outside the timings
+    ours.run(1, 2048 // s, 1)
+    n_fp8 = fp8_kv_layer_count(ours)
+    for name, batch, prompt, new in (("decode tok/s batch 1", 1, 1024 // s, 256 // s),
+                                     ("decode tok/s 64 streams", 64, 1024 // s, 128 // s)):
+        res = ours.run(batch, prompt, new)
+        roof = batch * bw / fp8_decode_bytes(cfg, batch, prompt + new // 2, n_fp8)
+        report(name, res["decode_tok_s"], f"{res['decode_tok_s'] / roof:.0%} of roofline {roof:.0f}")
+    n = 16384 // s
+    res = ours.run(1, n, 1)
+    tps = n / res["ttft"]
+    roof = flops / prefill_flops_per_token(cfg, n)
+    report("prefill tok/s 16K", tps, f"TTFT {res['ttft'] * 1e3:.0f} ms; {tps / roof:.0%} of fp8 roofline {roof:.0f}")
+    free(ours)
+
+
+def phase_kv(path: Path, cfg: dict, args, bw: float, s: int) -> None:
+    ctx = 32768 // s
+    tokens, decode = {}, {}
+    for label, kw in (("bf16", dict(kv_cache_dtype="auto")), ("fp8", {}),
+                      ("fp8 no high-precision layers", dict(kv_high_precision_layers="0"))):
+        ours = engine(path, args, max_len=262144 // s, max_seqs=48, **kw)
+        tokens[label] = pool_tokens(ours)
+        report(f"KV pool tokens, {label}", tokens[label])
+        if label != "fp8 no high-precision layers":
+            ours.run(1, 64, 4)
+            res = ours.run(1, ctx, 64 // min(s, 8))
+            decode[label] = res["decode_tok_s"]
+            roof = bw / fp8_decode_bytes(cfg, 1, ctx, fp8_kv_layer_count(ours))
+            report(f"decode tok/s batch 1 at 32K, {label} KV", res["decode_tok_s"],
+                   f"{res['decode_tok_s'] / roof:.0%} of roofline {roof:.0f}")
+        free(ours)
+    report("KV pool ratio fp8 / bf16", tokens["fp8"] / tokens["bf16"])
+    report("KV pool ratio fp8 (no high-precision) / bf16", tokens["fp8 no high-precision layers"] / tokens["bf16"])
+    report("decode at 32K fp8 / bf16 KV", decode["fp8"] / decode["bf16"])
+
+
+def phase_logits(path: Path, args, s: int) -> None:
+    from armillary import SamplingParams
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from tests.fixtures.logits_recorder import LogitsRecorder
+
+    steps = 256 // s
+    runs = {}
+    for backend in ("auto", "reference"):
+        ours = engine(path, args, max_len=1024, max_seqs=1, eager=True, kernel_backend=backend)
+        rec = LogitsRecorder(ours.engine.model)
+        prompt = torch.randint(10, ours.vocab, (256 // s,), generator=torch.Generator().manual_seed(7)).tolist()
+        out = ours.llm.generate([prompt], SamplingParams(max_tokens=steps, temperature=0.0, ignore_eos=True))
+        runs[backend] = (out[0].outputs[0].token_ids, torch.stack(rec.rows[-steps:]).float().cpu())
+        rec.close()
+        free(ours)
+    (fast_t, fast_l), (ref_t, ref_l) = runs["auto"], runs["reference"]
+    same = next((i for i, (a, b) in enumerate(zip(fast_t, ref_t)) if a != b), len(ref_t))
+    err = ((fast_l[:same] - ref_l[:same]).norm(dim=-1) / ref_l[:same].norm(dim=-1))
+    report("greedy tokens agreeing, fast vs dequantized reference", same, f"of {steps}")
+    if same:
+        report("logits relative error (mean over agreeing steps)", err.mean().item())
+        report("logits relative error (max)", err.max().item())
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--tiny", action="store_true", help="a tiny config: checks the driver, measures nothing real")
+    ap.add_argument("--phase", default="speed")
+    ap.add_argument("--eager", action="store_true")
+    args = ap.parse_args()
+    cfg = real_config(args.tiny)
+    s = 16 if args.tiny else 1
+    bw = copy_bandwidth(args.device)
+    flops = fp8_matmul_flops(args.device)
+    report("copy bandwidth GB/s", bw / 1e9)
+    report("fp8 GEMM TFLOP/s", flops / 1e12)
+    with tempfile.TemporaryDirectory() as d:
+        path = Path(d)
+        (path / "config.json").write_text(json.dumps(cfg))
+        for phase in args.phase.split(","):
+            if phase == "speed":
+                phase_speed(path, cfg, args, bw, flops, s)
+            elif phase == "kv":
+                phase_kv(path, cfg, args, bw, s)
+            elif phase == "logits":
+                phase_logits(path, args, s)
+            else:
+                raise SystemExit(f"unknown phase {phase!r}: speed, kv, logits")
+    if os.environ.get("OUT"):
+        Path(os.environ["OUT"], "fp8_bench.json").write_text(json.dumps(RESULTS, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

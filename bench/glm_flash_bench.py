@@ -1,0 +1,217 @@
+"""GLM-4.7-Flash-shaped benchmark: armillary vs the hardware roofline and vs transformers, in one run.
+
+Random bf16 weights at the real config (transformers' ``Glm4MoeLiteConfig()`` defaults), built with
+``load_format="dummy"``. Measures, in this order: copy bandwidth; transformers (batch-1 and batch-8
+decode, 16K prefill; its model is freed before ours is built); armillary (batch-1 decode with a 1K
+prompt and 256 new tokens, 64 streams, 16K prefill); and the latent cache's KV bytes per token per
+layer against the same heads as plain attention. Prints one line per figure, then a markdown table;
+writes JSON to ``$OUT/glm_flash_bench.json`` when ``$OUT`` is set.
+
+    python bench/glm_flash_bench.py                     # on the GPU
+    python bench/glm_flash_bench.py --tiny --device cpu  # smoke test of the driver itself
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from qwen_bench import copy_bandwidth, sync  # the same measurement in every driver
+
+TARGETS = {"decode tok/s, batch 1": 350.0, "decode tok/s, 64 streams": 3000.0, "prefill tok/s, 16K": 40000.0}
+
+
+def real_config(tiny: bool) -> dict:
+    from transformers import Glm4MoeLiteConfig
+
+    if tiny:
+        cfg = Glm4MoeLiteConfig(vocab_size=512, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+                                num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4, n_routed_experts=8,
+                                kv_lora_rank=32, q_lora_rank=24, qk_rope_head_dim=16, qk_nope_head_dim=16,
+                                v_head_dim=32)
+    else:
+        cfg = Glm4MoeLiteConfig()
+    d = cfg.to_dict()
+    d["architectures"] = ["Glm4MoeLiteForCausalLM"]
+    d["dtype"] = "bfloat16"
+    return d
+
+
+def kv_bytes_per_token_layer(cfg: dict) -> tuple[int, int]:
+    """(the latent cache's bytes per token per layer, the same heads' K and V as plain attention), bf16."""
+    latent = (cfg["kv_lora_rank"] + cfg["qk_rope_head_dim"]) * 2
+    plain = cfg["num_attention_heads"] * (cfg["qk_nope_head_dim"] + cfg["qk_rope_head_dim"] + cfg["v_head_dim"]) * 2
+    return latent, plain
+
+
+def decode_bytes(cfg: dict, batch: int, context: int) -> float:
+    """Bytes one decode step of ``batch`` tokens must move: the weights it touches + the latents it reads."""
+    h, v, layers = cfg["hidden_size"], cfg["vocab_size"], cfg["num_hidden_layers"]
+    heads, nope = cfg["num_attention_heads"], cfg["qk_nope_head_dim"]
+    rope, vd = cfg["qk_rope_head_dim"], cfg["v_head_dim"]
+    ql, kl = cfg["q_lora_rank"], cfg["kv_lora_rank"]
+    attn = h * ql + ql * heads * (nope + rope) + h * (kl + rope) + kl * heads * (nope + vd) + heads * vd * h
+    dense = sum(1 for t in cfg["mlp_layer_types"] if t == "dense")
+    e, k, inter = cfg["n_routed_experts"], cfg["num_experts_per_tok"], cfg["moe_intermediate_size"]
+    touched = e * (1 - (1 - k / e) ** batch)  # expected distinct experts for ``batch`` tokens
+    moe = (touched + cfg["n_shared_experts"]) * 3 * h * inter
+    weights = 2 * (layers * attn + dense * 3 * h * cfg["intermediate_size"] + (layers - dense) * moe + v * h)
+    router = (layers - dense) * h * e * 4  # float32 router weights
+    latents = batch * layers * kv_bytes_per_token_layer(cfg)[0] * context
+    return weights + router + latents
+
+
+class Ours:
+    def __init__(self, path: Path, device: str, max_len: int, max_seqs: int, eager: bool) -> None:
+        from armillary import LLM
+
+        t = time.perf_counter()
+        self.llm = LLM(str(path), load_format="dummy", dtype="bfloat16", device=device, max_model_len=max_len,
+                       max_num_seqs=max_seqs, max_num_batched_tokens=16384, enforce_eager=eager,
+                       gpu_memory_utilization=0.88)
+        self.startup = time.perf_counter() - t
+        self.engine = self.llm.engine
+        self.device = device
+        self.vocab = min(self.engine.hf_config.vocab_size, 150000)
+        self.ids = 0
+
+    def _prompt(self, n: int) -> list[int]:
+        g = torch.Generator().manual_seed(n + self.ids)
+        return torch.randint(10, self.vocab, (n,), generator=g).tolist()
+
+    def run(self, batch: int, prompt_len: int, new: int) -> dict:
+        """Submit ``batch`` requests at once; returns TTFT, and decode tok/s after every prefill is done."""
+        from armillary import SamplingParams
+
+        params = SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True)
+        sync(self.device)
+        t0 = time.perf_counter()
+        for _ in range(batch):
+            self.ids += 1
+            self.engine.add_request(f"b{self.ids}", self._prompt(prompt_len), params)
+        first: dict[str, float] = {}
+        counts: dict[str, int] = {}
+        t_all_first, tokens_at = None, 0
+        while self.engine.has_unfinished_requests():
+            outs = self.engine.step()
+            now = time.perf_counter()
+            for o in outs:
+                counts[o.request_id] = len(o.outputs[0].token_ids)
+                first.setdefault(o.request_id, now)
+            if t_all_first is None and len(first) == batch:
+                t_all_first, tokens_at = now, sum(counts.values())
+        sync(self.device)
+        t_end = time.perf_counter()
+        decoded = sum(counts.values()) - tokens_at
+        return {"ttft": min(first.values()) - t0, "decode_tok_s": decoded / (t_end - t_all_first) if decoded
+                else float("nan"), "total_s": t_end - t0}
+
+
+def hf_bench(cfg_dict: dict, device: str, prompt_len: int, new: int, prefill_len: int) -> dict:
+    """transformers on the same config, random bf16 weights: decode tok/s at batch 1 and 8, 16K prefill."""
+    import transformers as tf
+
+    cfg = tf.Glm4MoeLiteConfig(**{k: v for k, v in cfg_dict.items() if k not in ("architectures", "dtype")})
+    with torch.device(device):
+        model = tf.Glm4MoeLiteForCausalLM._from_config(cfg, dtype=torch.bfloat16).eval()
+    res = {}
+    vocab = min(cfg.vocab_size, 150000)
+    for b in (1, 8):
+        ids = torch.randint(10, vocab, (b, prompt_len), device=device)
+        kw = dict(attention_mask=torch.ones_like(ids), pad_token_id=0, do_sample=False)
+        with torch.no_grad():
+            model.generate(ids, max_new_tokens=2, min_new_tokens=2, **kw)  # warm-up
+            sync(device)
+            t = time.perf_counter()
+            model.generate(ids, max_new_tokens=1, min_new_tokens=1, **kw)
+            sync(device)
+            t_prefill = time.perf_counter() - t
+            t = time.perf_counter()
+            model.generate(ids, max_new_tokens=new, min_new_tokens=new, **kw)
+            sync(device)
+            dt = time.perf_counter() - t - t_prefill
+        res[f"decode_b{b}"] = b * (new - 1) / dt
+        print(f"transformers decode batch {b}: {res[f'decode_b{b}']:.1f} tok/s", flush=True)
+    ids = torch.randint(10, vocab, (1, prefill_len), device=device)
+    with torch.no_grad():
+        model(ids[:, :256])
+        sync(device)
+        t = time.perf_counter()
+        model(ids, logits_to_keep=1)
+        sync(device)
+        res["prefill"] = prefill_len / (time.perf_counter() - t)
+    print(f"transformers prefill {prefill_len}: {res['prefill']:.0f} tok/s", flush=True)
+    del model
+    gc.collect()
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    return res
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--tiny", action="store_true", help="a tiny config: checks the driver, measures nothing real")
+    ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--eager", action="store_true")
+    ap.add_argument("--out", default=None, help="markdown table file")
+    args = ap.parse_args()
+    dev = args.device
+    cfg = real_config(args.tiny)
+    scale = 8 if args.tiny else 1
+    p1k, new, p16k = 1024 // scale, 256 // scale, 16384 // scale
+    bw = copy_bandwidth(dev)
+    print(f"copy bandwidth: {bw / 1e9:.0f} GB/s", flush=True)
+    hf = None if args.skip_hf else hf_bench(cfg, dev, p1k, 32 // (4 if args.tiny else 1), p16k)
+    results: dict[str, dict] = {}
+    with tempfile.TemporaryDirectory() as d:
+        Path(d, "config.json").write_text(json.dumps(cfg))
+        ours = Ours(Path(d), dev, max_len=p16k + 512, max_seqs=64, eager=args.eager)
+        ours.run(1, 64, 4)  # warm-up: compiles kernels outside the timings
+        ours.run(1, 2048 // scale, 1)
+        b1 = ours.run(1, p1k, new)
+        print(f"armillary decode batch 1: {b1['decode_tok_s']:.1f} tok/s", flush=True)
+        b64 = ours.run(64, p1k, new // 2)
+        print(f"armillary decode 64 streams: {b64['decode_tok_s']:.1f} tok/s", flush=True)
+        ours.run(1, p16k, 1)  # the first 16K prompt compiles the long-prefill shapes
+        pre16 = ours.run(1, p16k, 1)
+        print(f"armillary prefill {p16k}: {p16k / pre16['ttft']:.0f} tok/s", flush=True)
+    rows = [("copy bandwidth (GB/s)", f"{bw / 1e9:.0f}", "", "", "")]
+    for name, res, batch, ctx in (("decode tok/s, batch 1", b1, 1, p1k + new // 2),
+                                  ("decode tok/s, 64 streams", b64, 64, p1k + new // 4)):
+        roof = batch * bw / decode_bytes(cfg, batch, ctx) if dev == "cuda" else float("nan")
+        hf_val = (hf or {}).get(f"decode_b{batch}" if batch == 1 else "decode_b8")
+        tps = res["decode_tok_s"]
+        results[name] = {"armillary": tps, "roofline": roof, "transformers": hf_val, "target": TARGETS[name]}
+        rows.append((name, f"{tps:.1f}", f"{tps / roof:.0%} of {roof:.0f}",
+                     f"{tps / hf_val:.1f}x ({hf_val:.1f}{'' if batch == 1 else ', batch 8'})" if hf_val else "",
+                     f"{TARGETS[name]:.0f}"))
+    tps = p16k / pre16["ttft"]
+    hf_pre = (hf or {}).get("prefill")
+    results["prefill tok/s, 16K"] = {"armillary": tps, "ttft_s": pre16["ttft"], "transformers": hf_pre,
+                                     "target": TARGETS["prefill tok/s, 16K"]}
+    rows.append(("prefill tok/s, 16K", f"{tps:.0f} (TTFT {pre16['ttft'] * 1e3:.0f} ms)", "",
+                 f"{tps / hf_pre:.1f}x ({hf_pre:.0f})" if hf_pre else "", f"{TARGETS['prefill tok/s, 16K']:.0f}"))
+    latent, plain = kv_bytes_per_token_layer(cfg)
+    results["kv bytes per token per layer"] = {"latent": latent, "plain_attention": plain}
+    rows.append(("KV bytes / token / layer", f"{latent}", "", f"{plain / latent:.1f}x less than MHA ({plain})", ""))
+    rows.append(("engine start-up (s)", f"{ours.startup:.1f}", "", "", ""))
+    table = ["| metric | armillary | vs roofline | vs transformers | target |", "|---|---|---|---|---|"]
+    table += [f"| {' | '.join(r)} |" for r in rows]
+    text = "\n".join(table)
+    print(text)
+    if args.out:
+        Path(args.out).write_text(text + "\n")
+    out = os.environ.get("OUT")
+    if out:
+        Path(out, "glm_flash_bench.json").write_text(json.dumps({"copy_bandwidth": bw, **results}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,162 @@
+"""Block-scaled FP8 GEMM for prefill on the fp8 tensor cores, its activation quantization pass, and ``fp8_linear`` (which picks it or the skinny decode GEMM).
+
+``y = x @ (W · S).T``: W float8_e4m3fn [N, K], S fp32 [ceil(N / bn), ceil(K / bk)] (per-channel:
+bn 1, bk >= K). Up to ``fp8_skinny.DECODE_MAX_ROWS`` rows stream W with x unquantized
+(fp8_skinny.py); more rows take two launches:
+
+- ``quantize_act``: x per row and group of G = min(bk, 128) columns to e4m3 (amax / 448, exact
+  IEEE divisions: bit-equal to ``armillary.kernels.fp8.quantize_act_groups``), scales stored
+  group-major [K / G, M] so a GEMM tile reads its BLOCK_M row scales contiguously;
+- the GEMM: [BLOCK_M, G] x [G, BLOCK_N] fp8 tiles (both K-major, as the fp8 wgmma wants) through a
+  num_stages-deep shared-memory pipeline, ``acc += dot · a_scale[m] · w_scale`` per K step (one
+  weight scale per step when BLOCK_N rows share a scale row), fp32 accumulation, bf16 out; program
+  ids grouped along M so a W column tile is reused from L2.
+
+Reference: ``armillary.kernels.fp8.linear_w8a8`` (prefill) / ``linear`` (decode).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from armillary.kernels.fp8 import FP8_MAX
+from armillary.kernels.triton.fp8_cast import exact_div, to_e4m3
+from armillary.kernels.triton.fp8_skinny import DECODE_MAX_ROWS, fp8_skinny_gemm, on_gpu
+
+__all__ = ["DECODE_MAX_ROWS", "act_group", "fp8_linear", "prefill_config", "quantize_act"]
+_QUANT_ELEMS = 2048  # elements of x per quantization program
+
+
+@triton.jit
+def _quant_act_kernel(x_ptr, q_ptr, s_ptr, M, K, stride_xm, stride_qm, GROUPS_PER_PROG: tl.constexpr,
+                      GROUP: tl.constexpr, FP8_LIMIT: tl.constexpr):
+    """Grid (M, cdiv(K / GROUP, GROUPS_PER_PROG)): q [M, K] e4m3, s [cdiv(K, GROUP), M] fp32 (group-major)."""
+    row = tl.program_id(0).to(tl.int64)
+    g = tl.program_id(1) * GROUPS_PER_PROG + tl.arange(0, GROUPS_PER_PROG)
+    cols = g[:, None] * GROUP + tl.arange(0, GROUP)[None, :]  # [GPP, GROUP]
+    ok = cols < K
+    x = tl.load(x_ptr + row * stride_xm + cols, mask=ok, other=0.0).to(tl.float32)
+    amax = tl.max(tl.abs(x), axis=1)  # [GPP]
+    scale = tl.maximum(exact_div(amax, tl.full(amax.shape, FP8_LIMIT, tl.float32)), 1e-12)
+    q = to_e4m3(exact_div(x, tl.broadcast_to(scale[:, None], x.shape)))
+    tl.store(q_ptr + row * stride_qm + cols, q, mask=ok)
+    tl.store(s_ptr + g.to(tl.int64) * M + row, scale, mask=g * GROUP < K)
+
+
+@triton.jit
+def _fp8_block_gemm_kernel(
+    a_ptr, as_ptr, w_ptr, s_ptr, b_ptr, out_ptr, M, N, K,
+    stride_am, stride_wn, stride_om, stride_sn, stride_sk,
+    GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, ROWS_SHARE: tl.constexpr, HAS_BIAS: tl.constexpr,
+    EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+):  # fmt: skip
+    """Grid (cdiv(M, BM) · cdiv(N, BN),): out [M, N] = Σ_k dot(a, w) · as[k, m] · s[n / bn, k / bk].
+
+    a: [M, K] e4m3, as: [cdiv(K, BLOCK_K), M] fp32 (one per BLOCK_K group), w: [N, K] e4m3."""
+    pid = tl.program_id(0)
+    num_m, num_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
+    width = GROUP_M * num_n  # GROUP_M row tiles walk the column tiles together (L2 reuse of W)
+    first_m = (pid // width) * GROUP_M
+    size_m = tl.minimum(num_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % width) % size_m
+    pid_n = (pid % width) // size_m
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows_a, rows_w = offs_m % M, offs_n % N  # clamped: unmasked tile loads; the stores are masked
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + rows_a[:, None].to(tl.int64) * stride_am + offs_k[None, :]  # [BM, BK]
+    w_ptrs = w_ptr + rows_w[None, :].to(tl.int64) * stride_wn + offs_k[:, None]  # [BK, BN], K-major
+    row_blk = (pid_n * BLOCK_N) // GROUP_N
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for kt in range(0, tl.cdiv(K, BLOCK_K)):
+        k0 = kt * BLOCK_K
+        if EVEN_K:
+            a = tl.load(a_ptrs)
+            w = tl.load(w_ptrs)
+        else:
+            k_ok = offs_k < K - k0
+            a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
+            w = tl.load(w_ptrs, mask=k_ok[:, None], other=0.0)
+        a_s = tl.load(as_ptr + kt * M + rows_a)  # [BM]
+        if ROWS_SHARE:
+            w_s = tl.load(s_ptr + row_blk * stride_sn + (k0 // GROUP_K) * stride_sk)
+            acc += tl.dot(a, w) * (a_s[:, None] * w_s)  # fp8 x fp8 -> fp32 on the tensor cores
+        else:
+            w_s = tl.load(s_ptr + (rows_w // GROUP_N) * stride_sn + (k0 // GROUP_K) * stride_sk)  # [BN]
+            acc += tl.dot(a, w) * a_s[:, None] * w_s[None, :]
+        a_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + rows_w).to(tl.float32)[None, :]
+    dst = out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
+    tl.store(dst, acc.to(out_ptr.dtype.element_ty), mask=(offs_m < M)[:, None] & (offs_n < N)[None, :])
+
+
+def act_group(k: int, block_k: int) -> int:
+    """The activation quantization group, which is the prefill BLOCK_K: min(bk, 128) as the reference
+    groups (a power of two >= 16), or one power-of-two tile over the whole row when that covers K."""
+    g = min(block_k, 128)
+    if g >= k:
+        return max(16, triton.next_power_of_2(k))
+    if g & (g - 1) or g < 16:
+        raise ValueError(f"fp8 prefill GEMM takes power-of-two weight blocks of at least 16 along K, not {block_k}")
+    return g
+
+
+def quantize_act(x: torch.Tensor, group: int, rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (e4m3 [M, K], fp32 scales [cdiv(K, group), M]): one launch, bit-equal to the reference."""
+    m, k = x.shape
+    q = torch.empty(m, k, dtype=torch.float8_e4m3fn, device=x.device)
+    groups = triton.cdiv(k, group)
+    s = torch.empty(groups, m, dtype=torch.float32, device=x.device)
+    if m == 0:
+        return q, s
+    gpp = min(triton.next_power_of_2(groups), max(1, _QUANT_ELEMS // group))
+    _quant_act_kernel[(m, triton.cdiv(groups, gpp))](x, q, s, m, k, x.stride(0), q.stride(0), GROUPS_PER_PROG=gpp,
+                                                     GROUP=group, FP8_LIMIT=FP8_MAX, num_warps=4)
+    return q, s
+
+
+def prefill_config(m: int, on_gpu: bool) -> dict:
+    """Tiles of the fp8 tensor-core GEMM: 128 x 128 (8 warps, 4 stages) for big M, 64 rows below 128."""
+    if not on_gpu:
+        return dict(BLOCK_M=16, BLOCK_N=32, GROUP_M=4, num_warps=4, num_stages=1)
+    if m >= 128:
+        return dict(BLOCK_M=128, BLOCK_N=128, GROUP_M=8, num_warps=8, num_stages=4)
+    return dict(BLOCK_M=64, BLOCK_N=128, GROUP_M=8, num_warps=4, num_stages=4)
+
+
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block_n: int, block_k: int,
+               bias: torch.Tensor | None = None, config: dict | None = None) -> torch.Tensor:
+    """x [M, K] (bf16 / fp16 / fp32, unit last stride), weight fp8 [N, K] contiguous rows, scale fp32
+    [ceil(N / bn), ceil(K / bk)] -> [M, N] in x's dtype. ``config`` overrides the chosen path's keys
+    (``prefill: True`` forces the tensor-core path)."""
+    m, k = x.shape
+    n = weight.shape[0]
+    if weight.shape[1] != k or x.stride(1) != 1 or weight.stride(1) != 1:
+        raise ValueError(f"fp8_linear: x {tuple(x.shape)} / weight {tuple(weight.shape)} need matching K with unit stride")
+    if scale.shape != (triton.cdiv(n, block_n), triton.cdiv(k, block_k)) and not (block_k >= k and scale.shape == (triton.cdiv(n, block_n), 1)):
+        raise ValueError(f"fp8_linear: scale {tuple(scale.shape)} does not fit weight {tuple(weight.shape)} "
+                         f"in blocks of ({block_n}, {block_k})")
+    if m == 0:
+        return x.new_empty(0, n)
+    cfg = dict(config or {})
+    if m <= DECODE_MAX_ROWS and not cfg.pop("prefill", False):
+        return fp8_skinny_gemm(x, weight, scale, block_n, block_k, bias, cfg)
+    cfg.pop("prefill", None)
+    cfg = {**prefill_config(m, on_gpu(x.device)), **cfg}
+    group = act_group(k, block_k)
+    xq, xs = quantize_act(x, group)
+    out = x.new_empty(m, n)
+    grid = (triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"]),)
+    _fp8_block_gemm_kernel[grid](
+        xq, xs, weight, scale, bias if bias is not None else out, out, m, n, k,
+        xq.stride(0), weight.stride(0), out.stride(0), scale.stride(0), scale.stride(1) if scale.shape[1] > 1 else 0,
+        GROUP_N=block_n, GROUP_K=block_k if block_k < k else 1 << 30,
+        ROWS_SHARE=block_n % cfg["BLOCK_N"] == 0, HAS_BIAS=bias is not None, EVEN_K=k % group == 0,
+        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=group, GROUP_M=cfg["GROUP_M"],
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )  # fmt: skip
+    return out

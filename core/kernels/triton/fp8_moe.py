@@ -1,0 +1,270 @@
+"""FP8 fused MoE: a grouped block-scaled GEMM over expert-sorted rows for prefill, GEMV-style weight streaming for decode.
+
+Weights are float8_e4m3fn [E, N, K] with fp32 block scales [E, ceil(N / bn), ceil(K / bk)].
+
+- GEMV (decode, up to GEMV_MAX_PAIRS (token, expert) pairs), two launches as core's bf16 MoE GEMV
+  (moe_gemv.py, ~3 TB/s on an H200): the up kernel, a program per (pair, BLOCK_N rows), reads the
+  gate and up rows of its expert whole in [BLOCK_N, NSUB, SUB_K] tiles (16-byte loads, SUB_K the
+  weight's K block, one scale per sub-tile applied to x) and stores act(gate · x) · (up · x) in
+  fp32; the down kernel, a program per (token, BLOCK_N rows), walks the token's k experts and
+  sums weight_j · (W2_e h_j) in fp32 before one store: no atomics, no third launch. Activations
+  other than silu / relu² / gelu-tanh: the same streaming for each GEMM, the activation in torch.
+- grouped (prefill): rows sorted by expert into BLOCK_M blocks (``moe_align``); each GEMM's input
+  is quantized once per row and 128-column group (``fp8_gemm.quantize_act``, one launch), and the
+  tiles multiply on the fp8 tensor cores with ``acc += dot · a_scale · w_scale`` per K step, loads
+  pipelined through shared memory; the weighted sum over each token's k experts is one torch
+  reduction.
+
+Reference: ``armillary.kernels.fp8.fused_moe`` (``quantize_input=True`` for the grouped path).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from armillary.kernels.activation import act_and_mul, get_activation
+from armillary.kernels.triton.fp8_gemm import act_group, quantize_act
+from armillary.kernels.triton.fp8_skinny import fp8_row_products, fp8_row_scales, k_layout, on_gpu, pdl_options
+from armillary.kernels.triton.moe_align import moe_align
+from armillary.kernels.triton.pdl import pdl_prologue
+
+GEMV_MAX_PAIRS = 64  # at most this many (token, expert) pairs take the GEMV path
+_FUSED_ACTS = {"silu": 0, "swish": 0, "relu2": 1, "gelu_pytorch_tanh": 2, "gelu_tanh": 2}
+_IDENTITY = 3
+
+
+@triton.jit
+def _grouped_kernel(
+    a_ptr, as_ptr, w_ptr, s_ptr, out_ptr, sorted_ptr, block_expert_ptr, offsets_ptr, counts_ptr, A_ROWS, N, K,
+    stride_am, stride_we, stride_wn, stride_se, stride_sn, stride_sk, stride_om,
+    A_DIV: tl.constexpr, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, ROWS_SHARE: tl.constexpr,
+    EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    """Grid (max_blocks, cdiv(N, BN)): rows of expert-sorted block ``pid_m``; input row pair // A_DIV of
+    the e4m3 a [A_ROWS, K] with scales as [cdiv(K, BK), A_ROWS]; output row = pair."""
+    pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+    e = tl.load(block_expert_ptr + pid_m)
+    if e < 0:
+        return
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < tl.load(offsets_ptr + e) + tl.load(counts_ptr + e)
+    pair = tl.load(sorted_ptr + rows, mask=row_ok, other=0).to(tl.int64)  # padding rows read row 0
+    src = pair // A_DIV
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    cols = offs_n % N
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + src[:, None] * stride_am + offs_k[None, :]  # [BM, BK]
+    w_base = w_ptr + e.to(tl.int64) * stride_we
+    s_base = s_ptr + e.to(tl.int64) * stride_se
+    w_ptrs = w_base + cols[None, :].to(tl.int64) * stride_wn + offs_k[:, None]  # [BK, BN], K-major
+    row_blk = (pid_n * BLOCK_N) // GROUP_N
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for kt in range(0, tl.cdiv(K, BLOCK_K)):
+        k0 = kt * BLOCK_K
+        if EVEN_K:
+            a = tl.load(a_ptrs)
+            w = tl.load(w_ptrs)
+        else:
+            k_ok = offs_k < K - k0
+            a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
+            w = tl.load(w_ptrs, mask=k_ok[:, None], other=0.0)
+        a_s = tl.load(as_ptr + kt * A_ROWS + src)  # [BM]
+        if ROWS_SHARE:
+            w_s = tl.load(s_base + row_blk * stride_sn + (k0 // GROUP_K) * stride_sk)
+            acc += tl.dot(a, w) * (a_s[:, None] * w_s)
+        else:
+            w_s = tl.load(s_base + (cols // GROUP_N) * stride_sn + (k0 // GROUP_K) * stride_sk)  # [BN]
+            acc += tl.dot(a, w) * a_s[:, None] * w_s[None, :]
+        a_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    dst = out_ptr + pair[:, None] * stride_om + offs_n[None, :]
+    tl.store(dst, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & (offs_n < N)[None, :])
+
+
+@triton.jit
+def _act(x, ACT: tl.constexpr):
+    """The expert activation in fp32: 0 silu, 1 relu², 2 gelu (tanh), 3 none."""
+    if ACT == 0:
+        return x * tl.sigmoid(x)
+    elif ACT == 1:
+        r = tl.maximum(x, 0.0)
+        return r * r
+    elif ACT == 2:
+        return 0.5 * x * (1.0 + (2.0 * tl.sigmoid(2.0 * 0.7978845608028654 * (x + 0.044715 * x * x * x)) - 1.0))
+    else:
+        return x
+
+
+@triton.jit
+def _gemv_up_kernel(
+    x_ptr, w_ptr, s_ptr, h_ptr, ids_ptr, I, K,
+    stride_xm, stride_we, stride_wn, stride_se, stride_sn, stride_sk, stride_hm,
+    A_DIV: tl.constexpr, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, K_SCALED: tl.constexpr,
+    ROWS_SHARE: tl.constexpr, GATED: tl.constexpr, ACT: tl.constexpr, EVEN_K: tl.constexpr,
+    K_TILES: tl.constexpr, BLOCK_N: tl.constexpr, NSUB: tl.constexpr, SUB_K: tl.constexpr, PDL: tl.constexpr,
+):  # fmt: skip
+    """Grid (pairs, cdiv(I, BN)): h[pair, n] = act(gate_n · x) · (up_n · x) (or act(up_n · x)) in fp32,
+    x = x[pair / A_DIV]; the gate row n and up row I + n of w13[e] streamed by one program."""
+    pdl_prologue(PDL)
+    pair, pid_n = tl.program_id(0).to(tl.int64), tl.program_id(1)
+    e = tl.load(ids_ptr + pair).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = offs_n % I  # clamped rows: unmasked wide loads, results not stored
+    up_rows = rows + I if GATED else rows
+    up_blk = ((I if GATED else 0) + pid_n * BLOCK_N) // GROUP_N
+    w_e, s_e = w_ptr + e * stride_we, s_ptr + e * stride_se
+    x_row = x_ptr + (pair // A_DIV) * stride_xm
+    sub = tl.arange(0, NSUB)
+    kk = tl.arange(0, SUB_K)
+    acc_u = tl.zeros([BLOCK_N, NSUB, SUB_K], dtype=tl.float32)
+    acc_g = tl.zeros([BLOCK_N, NSUB, SUB_K], dtype=tl.float32)
+    for kt in tl.static_range(K_TILES):
+        k0 = kt * NSUB * SUB_K
+        koff = k0 + sub[:, None] * SUB_K + kk[None, :]  # [NSUB, SUB_K]
+        if EVEN_K:
+            x = tl.load(x_row + koff).to(tl.float32)
+        else:
+            x = tl.load(x_row + koff, mask=koff < K, other=0.0).to(tl.float32)
+        acc_u += fp8_row_products(w_e, s_e, x, up_rows, up_blk, k0, K, stride_wn, stride_sn, stride_sk,
+                                  GROUP_N, GROUP_K, K_SCALED, ROWS_SHARE, NSUB, SUB_K, EVEN_K)
+        if GATED:
+            acc_g += fp8_row_products(w_e, s_e, x, rows, (pid_n * BLOCK_N) // GROUP_N, k0, K, stride_wn, stride_sn,
+                                      stride_sk, GROUP_N, GROUP_K, K_SCALED, ROWS_SHARE, NSUB, SUB_K, EVEN_K)
+    up = tl.sum(tl.sum(acc_u, axis=2), axis=1)  # [BN]
+    if not K_SCALED:
+        up = up * fp8_row_scales(s_e, up_rows, stride_sn, GROUP_N)
+    if GATED:
+        gate = tl.sum(tl.sum(acc_g, axis=2), axis=1)
+        if not K_SCALED:
+            gate = gate * fp8_row_scales(s_e, rows, stride_sn, GROUP_N)
+        h = _act(gate, ACT) * up
+    else:
+        h = _act(up, ACT)
+    tl.store(h_ptr + pair * stride_hm + offs_n, h, mask=offs_n < I)
+
+
+@triton.jit
+def _gemv_down_kernel(
+    h_ptr, w_ptr, s_ptr, out_ptr, ids_ptr, topw_ptr, N, K,
+    stride_hm, stride_we, stride_wn, stride_se, stride_sn, stride_sk, stride_om,
+    TOP_K: tl.constexpr, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, K_SCALED: tl.constexpr,
+    ROWS_SHARE: tl.constexpr, EVEN_K: tl.constexpr, K_TILES: tl.constexpr, BLOCK_N: tl.constexpr,
+    NSUB: tl.constexpr, SUB_K: tl.constexpr, PDL: tl.constexpr,
+):  # fmt: skip
+    """Grid (T, cdiv(H, BN)): out[t, n] = Σ_j topk_w[t, j] · (w2[e_j] · h[t·k + j])_n: GEMM 2 and the
+    weighted sum over the token's experts in one launch, no atomics; h fp32 [T·k, K]."""
+    pdl_prologue(PDL)
+    t, pid_n = tl.program_id(0).to(tl.int64), tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = offs_n % N
+    row_blk = (pid_n * BLOCK_N) // GROUP_N
+    sub = tl.arange(0, NSUB)
+    kk = tl.arange(0, SUB_K)
+    wide = tl.zeros([BLOCK_N, NSUB, SUB_K], dtype=tl.float32)
+    total = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for j in tl.static_range(TOP_K):
+        pair = t * TOP_K + j
+        e = tl.load(ids_ptr + pair).to(tl.int64)
+        weight = tl.load(topw_ptr + pair)
+        w_e, s_e = w_ptr + e * stride_we, s_ptr + e * stride_se
+        part = tl.zeros([BLOCK_N, NSUB, SUB_K], dtype=tl.float32)
+        for kt in tl.static_range(K_TILES):
+            k0 = kt * NSUB * SUB_K
+            koff = k0 + sub[:, None] * SUB_K + kk[None, :]  # [NSUB, SUB_K]
+            if EVEN_K:
+                x = tl.load(h_ptr + pair * stride_hm + koff)
+            else:
+                x = tl.load(h_ptr + pair * stride_hm + koff, mask=koff < K, other=0.0)
+            part += fp8_row_products(w_e, s_e, x * weight, rows, row_blk, k0, K, stride_wn, stride_sn, stride_sk,
+                                     GROUP_N, GROUP_K, K_SCALED, ROWS_SHARE, NSUB, SUB_K, EVEN_K)
+        if K_SCALED:
+            wide += part  # the scales are inside: one reduction for all k experts
+        else:
+            total += tl.sum(tl.sum(part, axis=2), axis=1) * fp8_row_scales(s_e, rows, stride_sn, GROUP_N)
+    if K_SCALED:
+        total = tl.sum(tl.sum(wide, axis=2), axis=1)
+    tl.store(out_ptr + t * stride_om + offs_n, total.to(out_ptr.dtype.element_ty), mask=offs_n < N)
+
+
+def _gemv_meta(k: int, block_n: int, block_k: int, bn: int, width: int) -> dict:
+    """Tile constexprs of a GEMV launch over K columns (ROWS_SHARE decided by the caller's row offsets)."""
+    nsub, sub_k, scaled = k_layout(k, block_k, width)
+    tiles = triton.cdiv(k, nsub * sub_k)
+    return dict(GROUP_N=block_n, GROUP_K=block_k if scaled else 1 << 30, K_SCALED=scaled,
+                EVEN_K=k % (nsub * sub_k) == 0, K_TILES=tiles, BLOCK_N=bn, NSUB=nsub, SUB_K=sub_k)
+
+
+def _gemv_moe(x, w13, s13, w2, s2, block_n, block_k, topk_weights, topk_ids, activation: str) -> torch.Tensor:
+    """Decode: up kernel (GEMM 1, the activation fused when it is one of _FUSED_ACTS), down kernel (GEMM 2
+    and the weighted sum); every chosen expert's weights streamed once, in wide contiguous loads."""
+    t, k = topk_ids.shape
+    inter, hidden = w2.shape[2], w2.shape[1]
+    gated = w13.shape[1] == 2 * inter
+    gpu = on_gpu(x.device)
+    fused = activation in _FUSED_ACTS
+    ids = topk_ids.reshape(-1).contiguous()
+    up_rows = inter if fused else w13.shape[1]  # unfused: every w13 row through, the activation in torch
+    bn1, bn2 = (2, 4) if gpu else (4, 4)
+    meta1 = _gemv_meta(w13.shape[2], block_n, block_k, bn1, 1024)
+    share1 = block_n % bn1 == 0 and (not (fused and gated) or inter % bn1 == 0)
+    h = torch.empty(t * k, up_rows, dtype=torch.float32, device=x.device)  # [P, I] (or [P, 2I] unfused)
+    opts = pdl_options(x.device)
+    _gemv_up_kernel[(t * k, triton.cdiv(up_rows, bn1))](
+        x, w13, s13, h, ids, up_rows, w13.shape[2], x.stride(0), w13.stride(0), w13.stride(1), s13.stride(0),
+        s13.stride(1), s13.stride(2) if s13.shape[2] > 1 else 0, h.stride(0), A_DIV=k, ROWS_SHARE=share1,
+        GATED=gated and fused, ACT=_FUSED_ACTS[activation] if fused else _IDENTITY,
+        num_warps=2 if gpu else 4, num_stages=1, **meta1, **opts)  # fmt: skip
+    if not fused:
+        h = act_and_mul(h, activation) if gated else get_activation(activation)(h)  # [P, I] fp32
+        h = h.contiguous()
+    out = torch.empty(t, hidden, dtype=x.dtype, device=x.device)
+    meta2 = _gemv_meta(inter, block_n, block_k, bn2, 512)
+    weights = topk_weights.float().reshape(-1).contiguous()
+    _gemv_down_kernel[(t, triton.cdiv(hidden, bn2))](
+        h, w2, s2, out, ids, weights, hidden, inter, h.stride(0), w2.stride(0), w2.stride(1), s2.stride(0),
+        s2.stride(1), s2.stride(2) if s2.shape[2] > 1 else 0, out.stride(0), TOP_K=k,
+        ROWS_SHARE=block_n % bn2 == 0, num_warps=4, num_stages=1, **meta2, **opts)  # fmt: skip
+    return out
+
+
+def _grouped_gemm(a: torch.Tensor, w: torch.Tensor, s: torch.Tensor, block_n: int, block_k: int, a_div: int,
+                  num_pairs: int, align, block_m: int, out_dtype: torch.dtype) -> torch.Tensor:
+    """Per-pair rows [pairs, N] of ``a[pair // a_div] @ (w[e] · s[e]).T`` with a quantized per 128-group first."""
+    _, n, k = w.shape
+    group = act_group(k, block_k)
+    aq, a_s = quantize_act(a, group)  # one launch: e4m3 rows, scales [groups, rows]
+    out = torch.empty(num_pairs, n, dtype=out_dtype, device=a.device)
+    gpu = on_gpu(a.device)
+    bn = 128 if gpu else 32
+    _grouped_kernel[(align.block_expert.shape[0], triton.cdiv(n, bn))](
+        aq, a_s, w, s, out, align.sorted_pair_ids, align.block_expert, align.expert_offsets, align.expert_counts,
+        a.shape[0], n, k, aq.stride(0), w.stride(0), w.stride(1), s.stride(0), s.stride(1),
+        s.stride(2) if s.shape[2] > 1 else 0, out.stride(0), A_DIV=a_div, GROUP_N=block_n,
+        GROUP_K=block_k if block_k < k else 1 << 30, ROWS_SHARE=block_n % bn == 0, EVEN_K=k % group == 0,
+        BLOCK_M=block_m, BLOCK_N=bn, BLOCK_K=group, num_warps=4, num_stages=4 if gpu else 1,
+    )  # fmt: skip
+    return out
+
+
+def fp8_fused_moe(x: torch.Tensor, w13: torch.Tensor, s13: torch.Tensor, w2: torch.Tensor, s2: torch.Tensor,
+                  block_n: int, block_k: int, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                  activation: str = "silu", grouped: bool | None = None) -> torch.Tensor:
+    """x [T, H] (unit last stride) -> [T, H] in x's dtype; ``grouped`` forces a path (None: by pair count)."""
+    t, k = topk_ids.shape
+    inter = w2.shape[2]
+    gated = w13.shape[1] == 2 * inter
+    num_pairs = t * k
+    if num_pairs == 0:
+        return x.new_zeros(x.shape)
+    x = x.contiguous()
+    if not (num_pairs > GEMV_MAX_PAIRS if grouped is None else grouped):
+        return _gemv_moe(x, w13, s13, w2, s2, block_n, block_k, topk_weights, topk_ids, activation)
+    block_m = 64 if on_gpu(x.device) and num_pairs >= 1024 else 16
+    align = moe_align(topk_ids, w13.shape[0], block_m)
+    # per-pair rows in the model dtype, rounded where the reference's F.linear outputs are
+    h = _grouped_gemm(x, w13, s13, block_n, block_k, k, num_pairs, align, block_m, x.dtype)  # [P, 2I]
+    h = act_and_mul(h, activation) if gated else get_activation(activation)(h)  # [P, I]
+    y = _grouped_gemm(h.contiguous(), w2, s2, block_n, block_k, 1, num_pairs, align, block_m, x.dtype)  # [P, H]
+    out = (y.view(t, k, -1) * topk_weights.float().unsqueeze(-1)).sum(1)  # [T, H]
+    return out.to(x.dtype)

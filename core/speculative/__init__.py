@@ -1,0 +1,1 @@
+"""Speculative decoding: draft tokens from a model's draft head (MTP), verified in one forward."""

@@ -1,0 +1,1 @@
+"""armillary-gemma: Gemma 3 and Gemma 4 text models for armillary."""

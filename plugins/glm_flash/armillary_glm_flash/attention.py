@@ -1,0 +1,173 @@
+"""Multi-head latent attention (MLA) of glm4_moe_lite over the paged latent cache.
+
+``q_a_proj`` -> ``q_a_layernorm`` -> ``q_b_proj`` (or one ``q_proj`` without ``q_lora_rank``) gives
+per head ``nope`` + ``rope`` query dims; ``kv_a_proj_with_mqa`` gives the ``kv_lora_rank`` latent
+(normed by ``kv_a_layernorm``) and one rope key shared by all heads; the cache keeps
+``[latent | rotated rope key]`` per token. Decode runs the absorbed form over latents
+(``ops/mla/decode.py``); prefill chunks expand keys and values through ``kv_b_proj`` and run MHA.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from armillary.forward_batch import ForwardBatch, LatentCache
+from armillary.kernels import ops
+from armillary.layers import (
+    ColumnParallelLinear,
+    MergedColumnParallelLinear,
+    ReplicatedLinear,
+    RMSNorm,
+    RowParallelLinear,
+)
+from armillary.parallel import get_parallel
+from armillary_glm_flash.config import GlmFlashConfig
+from armillary_glm_flash.ops.mla.naive import absorb_query, expand_values, gather_latent, mla_decode_ref, rope_store_ref
+from armillary_glm_flash.ops.mla.prefill import decompressed_attention, expanded_keys
+from armillary_glm_flash.ops.mla.rope_store import mla_rope_store
+
+ABSORB_MAX_QUERY = 8  # a chunk of at most this many tokens after cached context attends over latents
+
+
+def latent_decode(q_lat: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tensor, block_tables: torch.Tensor,
+                  seq_lens: torch.Tensor, scale: float, max_seq_len: int) -> torch.Tensor:
+    """The absorbed attention of one query row each: the Triton kernel where Triton serves, else the reference."""
+    if ops.use_triton(q_lat):
+        from armillary_glm_flash.ops.mla.decode import mla_decode
+
+        return mla_decode(q_lat, q_pe, kv, block_tables, seq_lens, scale, max_seq_len)
+    return mla_decode_ref(q_lat, q_pe, kv, block_tables, seq_lens, scale, max_seq_len)
+
+
+class LatentAttention(nn.Module):
+    """Head counts are this tensor-parallel rank's (``q_b_proj`` / ``kv_b_proj`` column-, ``o_proj`` row-parallel)."""
+
+    def __init__(self, cfg: GlmFlashConfig, prefix: str = "") -> None:
+        super().__init__()
+        hidden, bias = cfg.hidden_size, cfg.attention_bias
+        self.nope, self.rope, self.v_dim = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
+        self.kv_lora_rank, self.q_lora_rank = cfg.kv_lora_rank, cfg.q_lora_rank
+        heads = cfg.num_attention_heads
+        qk = self.nope + self.rope
+        kv_a = self.kv_lora_rank + self.rope
+        # one GEMM for both down-projections of x when they are whole on this rank (no tensor parallelism)
+        self.fused_a = self.q_lora_rank is not None and get_parallel().tp_size == 1
+        if self.q_lora_rank is None:
+            self.q_proj = ColumnParallelLinear(hidden, heads * qk, False, prefix=f"{prefix}.q_proj")
+        else:
+            if self.fused_a:  # rows [q_a_proj | kv_a_proj_with_mqa] (checkpoint_pieces)
+                self.qkv_a_proj = MergedColumnParallelLinear(hidden, [self.q_lora_rank, kv_a], bias,
+                                                             prefix=f"{prefix}.qkv_a_proj")
+            else:
+                self.q_a_proj = ReplicatedLinear(hidden, self.q_lora_rank, bias, prefix=f"{prefix}.q_a_proj")
+            self.q_a_layernorm = RMSNorm(self.q_lora_rank, 1e-6)  # transformers' Glm4MoeLiteRMSNorm default eps
+            self.q_b_proj = ColumnParallelLinear(self.q_lora_rank, heads * qk, False, prefix=f"{prefix}.q_b_proj")
+        if not self.fused_a:
+            self.kv_a_proj_with_mqa = ReplicatedLinear(hidden, kv_a, bias, prefix=f"{prefix}.kv_a_proj_with_mqa")
+        self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, 1e-6)
+        self.kv_b_proj = ColumnParallelLinear(self.kv_lora_rank, heads * (self.nope + self.v_dim), False,
+                                              prefix=f"{prefix}.kv_b_proj")
+        self.o_proj = RowParallelLinear(heads * self.v_dim, hidden, bias, prefix=f"{prefix}.o_proj")
+        self.num_heads = self.kv_b_proj.output_size_per_partition // (self.nope + self.v_dim)
+        self.scale = cfg.softmax_scale
+        self.interleaved = cfg.rope_interleave
+
+    def checkpoint_pieces(self, local_name: str, tensor: torch.Tensor) -> list | None:
+        """``q_a_proj.*`` / ``kv_a_proj_with_mqa.*`` -> slot 0 / 1 of ``qkv_a_proj`` (when fused)."""
+        proj, _, attr = local_name.partition(".")
+        if not self.fused_a or proj not in ("q_a_proj", "kv_a_proj_with_mqa") or not attr:
+            return None
+        return [(f"qkv_a_proj.{attr}", tensor, {"shard_id": 0 if proj == "q_a_proj" else 1})]
+
+    def absorbed_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(W_UK [H, nope, Dl], W_UV [H, v, Dl]): views of ``kv_b_proj.weight``, per head [nope rows | v rows]."""
+        w = self.kv_b_proj.weight.view(self.num_heads, self.nope + self.v_dim, self.kv_lora_rank)
+        return w[:, : self.nope], w[:, self.nope:]
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, cache: LatentCache, cos: torch.Tensor,
+                sin: torch.Tensor) -> torch.Tensor:
+        """x: [T, H]; cos, sin: [T, rope // 2] -> [T, H]. Writes the new latents to ``cache``."""
+        num_tokens = x.shape[0]
+        if self.fused_a:
+            q_a, ckv = self.qkv_a_proj(x).split([self.q_lora_rank, self.kv_lora_rank + self.rope], dim=-1)
+            q = self.q_b_proj(self.q_a_layernorm(q_a))
+        else:
+            q = self.q_proj(x) if self.q_lora_rank is None else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+            ckv = self.kv_a_proj_with_mqa(x)  # [T, Dl + Dr]
+        q = q.view(num_tokens, self.num_heads, self.nope + self.rope)
+        # kv_a_layernorm, rotary on the rope key and (in place) on q's rope dims, the latent store: one launch
+        store = mla_rope_store if ops.use_triton(x) else rope_store_ref
+        store(q, ckv, self.kv_a_layernorm.weight, self.kv_a_layernorm.eps, cos, sin, cache.kv,
+              batch.slot_mapping_of(cache), self.interleaved)
+        q_nope, q_pe = q[..., : self.nope], q[..., self.nope:]
+        if batch.is_decode_only:
+            out = self._absorbed(q_nope, q_pe, cache.kv, batch.block_tables_of(cache), batch.seq_lens,
+                                 batch.max_seq_len)
+        elif batch.query_start_loc_cpu is None:
+            out = self._verify(q_nope, q_pe, cache, batch)
+        else:
+            out = self._prefill(q, cache, batch)
+        return self.o_proj(out.reshape(num_tokens, self.num_heads * self.v_dim))
+
+    def _absorbed(self, q_nope: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tensor, block_tables: torch.Tensor,
+                  seq_lens: torch.Tensor, max_seq_len: int) -> torch.Tensor:
+        """Rows of one query each: [R, H, nope], [R, H, Dr] -> [R, H, v]."""
+        w_uk, w_uv = self.absorbed_weights()
+        q_lat = absorb_query(q_nope, w_uk)  # [R, H, Dl]
+        out_lat = latent_decode(q_lat, q_pe, kv, block_tables, seq_lens, self.scale, max_seq_len)
+        return expand_values(out_lat, w_uv)
+
+    def _verify(self, q_nope: torch.Tensor, q_pe: torch.Tensor, cache: LatentCache,
+                batch: ForwardBatch) -> torch.Tensor:
+        """A step without host lists (a captured speculative verify): every sequence has the same number of new
+        tokens after its context, so token ``t`` belongs to sequence ``t // (T / B)``; all absorbed, no host sync."""
+        num_tokens, num_seqs = q_nope.shape[0], batch.num_seqs
+        if num_seqs == 0 or num_tokens % num_seqs:
+            raise RuntimeError("an MLA step without host lists needs the same number of new tokens per sequence")
+        seqs = torch.arange(num_tokens, device=q_nope.device) // (num_tokens // num_seqs)
+        lens = (batch.positions + 1).to(torch.int32)  # each row sees up to itself
+        tables = batch.block_tables_of(cache).index_select(0, seqs)
+        return self._absorbed(q_nope, q_pe, cache.kv, tables, lens, batch.max_seq_len)
+
+    def _prefill(self, q: torch.Tensor, cache: LatentCache, batch: ForwardBatch) -> torch.Tensor:
+        """A mixed step: fresh prompts and long chunks decompressed, short chunks after context absorbed.
+        q: [T, H, nope + Dr] (rope dims rotated); the step's latents are already in ``cache``."""
+        qsl, ctx = batch.query_start_loc_cpu, batch.context_lens_cpu
+        if qsl is None or ctx is None:
+            raise RuntimeError("MLA prefill needs the batch's host lists (it never runs inside a CUDA graph)")
+        num_tokens = q.shape[0]
+        q_nope, q_pe = q[..., : self.nope], q[..., self.nope:]
+        out = q.new_empty(num_tokens, self.num_heads, self.v_dim)
+        tables = batch.block_tables_of(cache)
+        fresh_kv = fresh_pe = None  # the new tokens' expanded latents, computed once if a fresh prompt needs them
+        rows: list[int] = []
+        row_seqs: list[int] = []
+        for b in range(len(qsl) - 1):
+            start, end, context = qsl[b], qsl[b + 1], ctx[b]
+            n = end - start
+            if n == 0:
+                continue
+            if context > 0 and n <= ABSORB_MAX_QUERY:
+                rows.extend(range(start, end))
+                row_seqs.extend([b] * n)
+                continue
+            if context == 0:
+                if fresh_kv is None:
+                    slots = batch.slot_mapping_of(cache).long()
+                    new = cache.kv.view(-1, cache.kv.shape[2]).index_select(0, slots)  # [T, Dl + Dr]
+                    fresh_kv = self.kv_b_proj(new[:, : self.kv_lora_rank]).view(num_tokens, self.num_heads, -1)
+                    fresh_pe = new[:, self.kv_lora_rank:]
+                kv, pe = fresh_kv[start:end], fresh_pe[start:end]
+            else:
+                cached = gather_latent(cache.kv, tables[b], context + n)  # [L, Dl + Dr]
+                kv = self.kv_b_proj(cached[:, : self.kv_lora_rank]).view(context + n, self.num_heads, -1)
+                pe = cached[:, self.kv_lora_rank:]
+            k, v = expanded_keys(kv, pe, self.nope)
+            out[start:end] = decompressed_attention(q[start:end], k, v, context, self.scale)
+        if rows:
+            index = torch.tensor(rows, dtype=torch.long, device=q.device)
+            seqs = torch.tensor(row_seqs, dtype=torch.long, device=q.device)
+            lens = (batch.positions.index_select(0, index) + 1).to(torch.int32)  # each row sees up to itself
+            out[index] = self._absorbed(q_nope.index_select(0, index), q_pe.index_select(0, index), cache.kv,
+                                        tables.index_select(0, seqs), lens, batch.max_seq_len)
+        return out

@@ -1,0 +1,1 @@
+"""The glm_flash plugin's own kernels: paged multi-head latent attention (MLA)."""

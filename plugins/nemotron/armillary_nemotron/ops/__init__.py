@@ -1,0 +1,1 @@
+"""Mamba-2 and other Nemotron-H kernels, each beside its naive fp32 reference."""

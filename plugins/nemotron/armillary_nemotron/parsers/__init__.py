@@ -1,0 +1,1 @@
+"""Nemotron-3 Nano output parsers: reasoning (``nano_v3``)."""

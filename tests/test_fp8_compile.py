@@ -1,0 +1,47 @@
+"""The fp8 Triton kernels compiled offline for sm_90 at the real model's sizes (bench/fp8_compile_check.py --quick): they compile, fit shared memory, and keep the properties their speed rests on."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+KERNELS = {"_fp8_skinny_kernel", "_quant_act_kernel", "_fp8_block_gemm_kernel", "_gemv_up_kernel",
+           "_gemv_down_kernel", "_grouped_kernel", "_write_kv_kernel"}
+
+
+@pytest.fixture(scope="module")
+def rows(tmp_path_factory) -> list[dict]:
+    out = tmp_path_factory.mktemp("fp8") / "rows.json"
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "fp8_compile_check.py"), "--quick", "--json", str(out)],
+                          capture_output=True, text=True, timeout=900)
+    assert out.exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
+    return json.loads(out.read_text())
+
+
+def test_every_fp8_kernel_compiles_and_fits(rows):
+    assert KERNELS <= {r["kernel"] for r in rows}
+    bad = [r for r in rows if not r["ok"]]
+    assert not bad, bad
+
+
+def test_decode_kernels_stream_16_byte_loads(rows):
+    """The one-row skinny GEMM and the MoE GEMV read fp8 weights in 16-byte vectors; the multi-row
+    skinny path and the prefill GEMMs pipeline their tiles through shared memory (cp.async)."""
+    for r in rows:
+        if r["kernel"] in ("_gemv_up_kernel", "_gemv_down_kernel") or (
+                r["kernel"] == "_fp8_skinny_kernel" and r["constexprs"].get("USE_DOT") is False):
+            assert r["wide_loads"] >= 4, r
+        if r["kernel"] in ("_fp8_block_gemm_kernel", "_grouped_kernel") or r["constexprs"].get("USE_DOT") is True:
+            assert r["cp_async"] > 0 and r["mma"] > 0, r
+
+
+def test_prefill_gemm_uses_fp8_wgmma_and_exact_kernels_no_approximate_division(rows):
+    big = [r for r in rows if r["kernel"] == "_fp8_block_gemm_kernel" and r["num_warps"] == 8]
+    assert big and all(r["wgmma_e4m3"] > 0 for r in big)
+    for r in rows:
+        if r["kernel"] in ("_write_kv_kernel", "_quant_act_kernel"):
+            assert r["approx_div"] == 0, r

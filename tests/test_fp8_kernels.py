@@ -1,0 +1,150 @@
+"""FP8 reference quantizers (round trip) and the Triton fp8 GEMM / fused MoE against the dequantizing references, odd sizes."""
+from __future__ import annotations
+
+import pytest
+import torch
+import triton
+import triton.language as tl
+
+from armillary.kernels import fp8 as ref
+from armillary.kernels.triton import fp8_gemm, fp8_moe
+from armillary.kernels.triton.fp8_cast import to_e4m3
+
+E4M3_MAX = 448.0
+
+
+def naive_block_quant(w: torch.Tensor, bn: int, bk: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Written independently of the library: loop over blocks, amax / 448."""
+    n, k = w.shape
+    scale = torch.empty((n + bn - 1) // bn, (k + bk - 1) // bk)
+    q = torch.empty(n, k, dtype=torch.float8_e4m3fn)
+    for i in range(scale.shape[0]):
+        for j in range(scale.shape[1]):
+            blk = w[i * bn:(i + 1) * bn, j * bk:(j + 1) * bk].float()
+            s = max(blk.abs().max().item() / E4M3_MAX, 1e-12)
+            scale[i, j] = s
+            q[i * bn:(i + 1) * bn, j * bk:(j + 1) * bk] = (blk / s).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+    return q, scale
+
+
+@pytest.mark.parametrize("shape,block", [((37, 70), (16, 32)), ((130, 257), (128, 128)), ((5, 9), (1, 9))])
+def test_quantizer_round_trip(shape, block):
+    torch.manual_seed(0)
+    w = torch.randn(shape) * 3
+    q, s = ref.quantize_blocks(w, *block)
+    q2, s2 = naive_block_quant(w, *block)
+    assert torch.equal(s, s2) and torch.equal(q.view(torch.uint8), q2.view(torch.uint8))
+    back = ref.dequantize(q, s, *block)
+    rel = ((back - w).abs() / w.abs().clamp(min=1e-3)).max().item()
+    assert rel <= 2 ** -4 + 1e-6  # e4m3: 3 mantissa bits, round to nearest
+    assert torch.equal(ref.dequantize(*ref.quantize_blocks(back, *block), *block), back)  # a fixed point
+
+
+def _ratio(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+@pytest.mark.parametrize("m", [1, 3, 37, 70])
+@pytest.mark.parametrize("n,k,block", [(45, 96, (16, 32)), (33, 50, (1, 50)), (64, 80, (32, 16))])
+def test_fp8_linear_matches_reference(m, n, k, block):
+    torch.manual_seed(1)
+    x = torch.randn(m, k)
+    wq, s = ref.quantize_blocks(torch.randn(n, k), *block)
+    bias = torch.randn(n)
+    out = fp8_gemm.fp8_linear(x, wq, s, *block, bias)
+    if m <= fp8_gemm.DECODE_MAX_ROWS:  # skinny decode path: weight-only, activations unquantized
+        want = ref.linear(x, wq, s, *block, bias)
+        assert _ratio(out, want) < 1e-5
+    else:
+        want = ref.linear_w8a8(x, wq, s, *block, bias)  # the same e4m3 activations (fp8_cast rounds as torch)
+        assert _ratio(out, want) < 1e-5
+        assert 1e-3 < _ratio(out, ref.linear(x, wq, s, *block, bias)) < 8e-2  # activation quantization shows
+
+
+@pytest.mark.parametrize("m,tiles", [(1, dict(NSUB=2, SUB_K=16, K_TILES=1)), (1, dict(NSUB=1, SUB_K=16, K_TILES=2)),
+                                     (5, dict(BLOCK_M=16, SUB_K=16, K_TILES=2)), (20, dict(BLOCK_M=32, SUB_K=32, K_TILES=1))])
+@pytest.mark.parametrize("n,k,block", [(45, 96, (16, 32)), (33, 50, (1, 50)), (40, 150, (8, 32))])
+def test_fp8_skinny_split_k_and_tiles(m, tiles, n, k, block):
+    """Forced split-K (the last-arriver sum, tickets reset) and sub-tiles narrower than a scale block."""
+    torch.manual_seed(4)
+    x = torch.randn(m, k)
+    wq, s = ref.quantize_blocks(torch.randn(n, k), *block)
+    bias = torch.randn(n)
+    width = tiles.get("NSUB", 1) * tiles["SUB_K"]
+    cfg = dict(tiles, split_k=triton.cdiv(triton.cdiv(k, width), tiles["K_TILES"]))
+    want = ref.linear(x, wq, s, *block, bias)
+    for _ in range(2):  # a second call starts from the reset tickets
+        out = fp8_gemm.fp8_linear(x, wq, s, *block, bias, config=cfg)
+        assert _ratio(out, want) < 1e-5
+    assert cfg["split_k"] > 1
+
+
+@pytest.mark.parametrize("m,k,group", [(5, 300, 128), (3, 96, 32), (2, 50, 64)])
+def test_activation_quantization_is_the_references(m, k, group):
+    """The prefill pre-pass: e4m3 bytes and scales bit-equal to quantize_act_groups (IEEE divisions)."""
+    torch.manual_seed(5)
+    x = torch.randn(m, k) * torch.logspace(-3, 2, k)
+    x[0, :7] = torch.tensor([0.0, -448.0, 1e-30, 3.0, -3.0, 224.0, 7.5])
+    q, s = fp8_gemm.quantize_act(x, group)
+    want_q, want_s = ref.quantize_act_groups(x, min(group, k))
+    assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))
+    assert torch.equal(s.t(), want_s)
+
+
+def test_prefill_path_forced_at_few_rows():
+    """``prefill: True`` takes the fp8 tensor-core GEMM at decode sizes (what a sweep compares)."""
+    torch.manual_seed(7)
+    x = torch.randn(6, 96)
+    wq, s = ref.quantize_blocks(torch.randn(45, 96), 16, 32)
+    out = fp8_gemm.fp8_linear(x, wq, s, 16, 32, config=dict(prefill=True))
+    assert _ratio(out, ref.linear_w8a8(x, wq, s, 16, 32, None)) < 1e-5
+
+
+@pytest.mark.parametrize("grouped", [False, True])
+@pytest.mark.parametrize("block,dtype", [((16, 16), torch.float32), ((1, None), torch.float32),
+                                         ((16, 16), torch.bfloat16)])
+def test_fp8_fused_moe_matches_reference(grouped, block, dtype):
+    torch.manual_seed(2)
+    t, e, k, h, inter = 7, 5, 2, 48, 32
+    x = torch.randn(t, h).to(dtype)
+    bn, bk = block[0], block[1] or max(h, inter)
+    w13, s13 = ref.quantize_blocks(torch.randn(e, 2 * inter, h) * 0.2, bn, bk)
+    w2, s2 = ref.quantize_blocks(torch.randn(e, h, inter) * 0.2, bn, bk)
+    weights, ids = torch.rand(t, k).softmax(-1), torch.randint(0, e, (t, k))
+    out = fp8_moe.fp8_fused_moe(x, w13, s13, w2, s2, bn, bk, weights, ids, "silu", grouped=grouped)
+    want = ref.fused_moe(x, w13, s13, w2, s2, bn, bk, weights, ids, "silu", quantize_input=grouped)
+    assert out.dtype == dtype
+    # bf16: Triton's interpreter truncates fp32 -> bf16 stores (the GPU rounds to nearest), which
+    # alone costs ~1.2% here; bench/fp8_gpu_checks.py holds the GPU at real sizes
+    assert _ratio(out, want) < (1e-5 if dtype == torch.float32 else 2.5e-2)
+
+
+@triton.jit
+def _cast_kernel(x_ptr, q_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < n
+    tl.store(q_ptr + offs, to_e4m3(tl.load(x_ptr + offs, mask=ok, other=0.0)), mask=ok)
+
+
+def test_triton_e4m3_rounding_is_torchs():
+    torch.manual_seed(3)
+    x = torch.cat([torch.randn(700) * s for s in (1e-3, 1.0, 30.0, 1000.0)])
+    x[:6] = torch.tensor([124.0, 120.0, 1.0625, 3 * 2 ** -10, 464.0, -500.0])  # ties, a subnormal tie, saturation
+    q = torch.empty(x.shape, dtype=torch.float8_e4m3fn)
+    _cast_kernel[(triton.cdiv(x.numel(), 512),)](x, q, x.numel(), BLOCK=512)
+    assert torch.equal(q.view(torch.uint8), x.clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).view(torch.uint8))
+
+
+@pytest.mark.parametrize("activation,gated", [("relu2", False), ("gelu_pytorch_tanh", True), ("gelu", True)])
+@pytest.mark.parametrize("grouped", [False, True])
+def test_fp8_fused_moe_activations(activation, gated, grouped):
+    """relu² (plain experts, Nemotron), gelu-tanh fused in the GEMV; plain gelu takes the unfused GEMV."""
+    torch.manual_seed(6)
+    t, e, k, h, inter = 5, 4, 3, 32, 48
+    x = torch.randn(t, h)
+    w13, s13 = ref.quantize_blocks(torch.randn(e, (2 if gated else 1) * inter, h) * 0.3, 16, 16)
+    w2, s2 = ref.quantize_blocks(torch.randn(e, h, inter) * 0.3, 16, 16)
+    weights, ids = torch.rand(t, k), torch.randint(0, e, (t, k))
+    out = fp8_moe.fp8_fused_moe(x, w13, s13, w2, s2, 16, 16, weights, ids, activation, grouped=grouped)
+    want = ref.fused_moe(x, w13, s13, w2, s2, 16, 16, weights, ids, activation, quantize_input=grouped)
+    assert _ratio(out, want) < 1e-5
