@@ -262,9 +262,8 @@ class LLMEngine:
             return None  # one ended meanwhile
         rows = []
         for i, c in enumerate(chunks):
-            seq, p = c.seq, c.seq.params
-            if p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0 \
-                    or seq.num_output_tokens < p.min_tokens:
+            seq = c.seq
+            if seq.sampling_reads_history:
                 return None  # the sampler needs the awaited token on the host
             if seq.num_output_tokens + 1 < seq.max_tokens:  # else the awaited token is its last
                 rows.append(i)

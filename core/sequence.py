@@ -92,6 +92,14 @@ class Sequence:
         return self.pending_state_row if self.pending_state_row is not None else self.state_slot
 
     @property
+    def sampling_reads_history(self) -> bool:
+        """Whether the next token's sampling depends on the tokens before it on the host: penalties, or
+        stop tokens still masked by ``min_tokens`` (async continuation and draft acceptance must wait)."""
+        p = self.params
+        return bool(p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0
+                    or self.num_output_tokens < p.min_tokens)
+
+    @property
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
 

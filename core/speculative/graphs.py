@@ -18,6 +18,7 @@ import torch
 
 from armillary.cuda_graphs import graph_buckets
 from armillary.forward_batch import ForwardBatch, LayerCache
+from armillary.speculative.step import SpeculativeConfig
 from armillary.step_plan import StepPlan
 
 log = logging.getLogger("armillary")
@@ -25,14 +26,14 @@ log = logging.getLogger("armillary")
 
 class SpecGraphs:
     def __init__(self, model: torch.nn.Module, proposer, caches: list[LayerCache | None], max_batch: int,
-                 num_drafts: int, max_blocks_per_seq: int, block_size: int, scratch_slot: int, spec_row_base: int,
+                 spec: SpeculativeConfig, max_blocks_per_seq: int, block_size: int, scratch_slot: int,
                  device: torch.device, num_groups: int = 1) -> None:
         self.model, self.proposer, self.caches = model, proposer, caches
-        self.k, self.width = num_drafts, num_drafts + 1
+        self.k, self.width = spec.num_drafts, spec.num_drafts + 1
         self.max_batch, self.block_size, self.num_groups = max_batch, block_size, num_groups
         self.max_blocks = max_blocks_per_seq + 1  # + a scratch column: draft look-ahead past the last block
         self.max_seq_len = max_blocks_per_seq * block_size
-        self.scratch_slot, self.spec_row_base = scratch_slot, spec_row_base
+        self.scratch_slot, self.spec = scratch_slot, spec
         self.buckets = graph_buckets(max_batch)
         n, t, g, dev = max_batch, max_batch * self.width, num_groups, device
         # token rows: ids, positions, next ids (draft input), one slot-mapping row per group
@@ -101,8 +102,8 @@ class SpecGraphs:
         self.tok[1, start * w:end * w] = torch.arange(w, device=self.tok.device).repeat(end - start)
         self.seq[0, start:end] = self.scratch_slot
         self.seq[1, start:end] = torch.arange(start, end, device=self.tok.device) * w
-        for i in range(self.k):
-            self.seq[2 + i, start:end] = self.spec_row_base + self.scratch_slot * self.k + i
+        for i, row in enumerate(self.spec.state_rows(self.scratch_slot)):
+            self.seq[2 + i, start:end] = row
         self.lens[0, start:end] = 0
         self.lens[1, start:end] = w
         self.tables[:, start:end] = 0
@@ -128,7 +129,7 @@ class SpecGraphs:
                 tok[3 + g, i * w:(i + 1) * w] = row[pos // bs] * bs + pos % bs
                 tables[g, i, :len(table)] = table
             seq[0, i] = s.state_slot
-            seq[2:, i] = [self.spec_row_base + s.state_slot * k + j for j in range(k)]
+            seq[2:, i] = self.spec.state_rows(s.state_slot)
             lens[:, i] = (p, p + w)
         dev = self.tok.device
         self.tok[:, : b * w].copy_(torch.from_numpy(tok).pin_memory(), non_blocking=True)

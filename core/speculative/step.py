@@ -26,6 +26,10 @@ class SpeculativeConfig:
     spec_row_base: int  # state row of (slot s, position i): spec_row_base + s * num_drafts + i
     force_accept: bool = False  # benchmarks: accept every draft a sequence may accept
 
+    def state_rows(self, slot: int) -> list[int]:
+        """The rows keeping slot ``slot``'s state after verified positions 0..K-1 (``MemoryPlan.spec_row``)."""
+        return [self.spec_row_base + slot * self.num_drafts + i for i in range(self.num_drafts)]
+
 
 @dataclass(slots=True)
 class SpecHostOutput:
@@ -58,13 +62,7 @@ def is_verify_step(plan: StepPlan, num_drafts: int) -> bool:
 def max_accepted(plan: StepPlan, num_drafts: int) -> list[int]:
     """Per chunk, how many drafts it may accept before grammars: 0 where sampling reads the tokens
     before each position (penalties, a pending min_tokens), else all of them."""
-    out = []
-    for c in plan.chunks:
-        p, seq = c.seq.params, c.seq
-        pinned = p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0 \
-            or seq.num_output_tokens < p.min_tokens
-        out.append(0 if pinned else num_drafts)
-    return out
+    return [0 if c.seq.sampling_reads_history else num_drafts for c in plan.chunks]
 
 
 def next_token_rows(plan: StepPlan) -> tuple[list[int], list[int]]:
@@ -103,8 +101,8 @@ def launch_speculative(runner, plan: StepPlan, spec: SpeculativeConfig, proposer
     dev = batch.input_ids.device
     if verify:
         batch.spec_state_rows = torch.tensor(
-            [[spec.spec_row_base + c.seq.state_slot * k + i for i in range(k)] if c.seq.state_slot is not None
-             else [0] * k for c in plan.chunks], dtype=torch.long, device=dev)
+            [spec.state_rows(c.seq.state_slot) if c.seq.state_slot is not None else [0] * k for c in plan.chunks],
+            dtype=torch.long, device=dev)
     hidden = runner.model(batch)  # [T, H]
     runner.cache_ops_after(plan)
     if not sampled:  # a prefill chunk that does not reach the end: only the draft head's cache to fill

@@ -122,7 +122,7 @@ class ModelWorker(Worker):
         max_blocks = -(-self.max_model_len // cfg.block_size)
         if use_graphs and num_drafts:
             spec_graphs = SpecGraphs(self.model, proposer, self.caches, min(cfg.max_num_seqs, cfg.max_graph_batch),
-                                     num_drafts, max_blocks, cfg.block_size, scratch_slot, speculative.spec_row_base,
+                                     speculative, max_blocks, cfg.block_size, scratch_slot,
                                      self.device, num_groups=num_groups)
             spec_graphs.capture()
         if use_graphs and not num_drafts:
