@@ -1,4 +1,4 @@
-"""Suite-wide settings: Triton's interpreter without a GPU, one intra-op thread for tiny tensors."""
+"""Suite-wide settings: Triton's interpreter without a GPU, one intra-op thread for tiny tensors, no engine warm-up."""
 from __future__ import annotations
 
 import os
@@ -9,6 +9,16 @@ import torch
 if not torch.cuda.is_available():
     # the interpreter is chosen when a kernel is defined, so it must be set before any test imports one
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _no_engine_warmup():
+    # start-up warm-up costs a tiny engine ~8x its build time; tests/test_warmup.py puts it back
+    import armillary.engine
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(armillary.engine, "warm_up", lambda engine: None)
+        yield
 
 
 @pytest.fixture(autouse=True, scope="module")

@@ -3,9 +3,11 @@
 Each sweep below times its candidate launch configs on this device and writes the configs it would
 ship; this script runs them one after another (each in its own process), collects those entries
 and merges them into this GPU's own table (``sm_90_h200.json`` on an H200; ``--generic``: the
-capability's ``sm_90.json``, which every sm_90 GPU reads beneath its own). Each sweep times the
+capability's ``sm_90.json``, which every sm_90 GPU reads beneath its own). By default each sweep times the
 Qwen3.6 shapes, so its entries go to the Qwen plugin's ``tuning/`` (model shapes stay out of
-core's tables, which keep the generic entries). Entries of kernels no sweep covers (attention
+core's tables, which keep the generic entries); ``--model nemotron|glm|gemma4|gemma3|all`` runs the
+skinny-GEMM and GEMV-MoE sweeps (and, for Nemotron, the Mamba decode split sweep) at that plugin
+model's shapes instead and merges into that plugin's ``tuning/``. Entries of kernels no sweep covers (attention
 tiles, GDN chunk / conv tiles: picked by hand from ``attention_kernels.py`` and ``gdn_kernels.py``)
 are kept as they are.
 
@@ -13,6 +15,7 @@ are kept as they are.
     python bench/autotune.py --out DIR --write    # also overwrite the package tables
     python bench/autotune.py --out DIR --generic  # the capability's table instead of this GPU's
     python bench/autotune.py --out DIR --smoke    # CPU: each sweep's interpreter smoke run, tables for "cpu"
+    python bench/autotune.py --out DIR --model all --generic   # the plugin models' sm_90 entries
 """
 from __future__ import annotations
 
@@ -28,6 +31,7 @@ from typing import Callable
 
 HERE = Path(__file__).resolve().parent
 QWEN = "armillary_qwen_gdn_moe"
+NEMOTRON = "armillary_nemotron"
 
 
 def _moe_tuned(result: dict) -> dict:
@@ -44,9 +48,10 @@ def _moe_tuned(result: dict) -> dict:
 class Sweep:
     script: str
     args: list[str]
-    package: str  # whose tuning folder the entries go to
+    package: str | None  # whose tuning folder the entries go to
     result: str  # the JSON file the sweep writes into its --out directory
-    entries: Callable[[dict], dict]  # result -> {kernel: entry}
+    entries: Callable[[dict], dict]  # result -> {kernel: entry} (with package None: {package: {kernel: entry}})
+    by_shape: bool = False  # replace only the shapes it swept (a plugin of two models swept one at a time)
 
 
 SWEEPS = [
@@ -56,6 +61,23 @@ SWEEPS = [
     Sweep("gdn_decode_sweep.py", [], QWEN, "gdn_decode_sweep.json",
           lambda r: {"gdn_decode": r["recommended"]["gdn_decode"]} if r.get("recommended") else {}),
 ]
+
+
+def plugin_sweeps(model: str) -> list[Sweep]:
+    """The sweeps at a plugin model's shapes; their results name the packages (``None`` package)."""
+    both = model == "all"
+    sweeps = [
+        Sweep("skinny_gemm.py", ["--model", model], None, "skinny_gemm_tables.json", lambda r: r, by_shape=True),
+        Sweep("moe_gemv.py", ["--model", model], None, "moe_gemv_tables.json" if both else "moe_gemv.json",
+              (lambda r: r) if both else (lambda r: {r["package"]: {"fused_moe_gemv": r["table"]}} if r.get("table")
+                                          else {})),
+    ]
+    if model in ("nemotron", "all"):
+        sweeps.append(Sweep("../plugins/nemotron/bench/mamba_decode_sweep.py", [], NEMOTRON, "mamba_decode_sweep.json",
+                            lambda r: {"mamba_decode": r["table"]} if r.get("table") else {}))
+    if model == "gemma3":
+        sweeps = sweeps[:1]  # dense: no MoE
+    return sweeps
 
 
 def target(generic: bool = False) -> str:
@@ -90,11 +112,21 @@ def render(table: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def merge(table: dict, entries: dict, source: str) -> dict:
-    """``table`` with each kernel's entry replaced by the sweep's, stamped with where it came from."""
+def merge(table: dict, entries: dict, source: str, by_shape: bool = False) -> dict:
+    """``table`` with each kernel's entry replaced by the sweep's, stamped with where it came from.
+
+    ``by_shape`` (skinny-GEMM keys ``n{N}_k{K}_m{M}``): the old keys of shapes the sweep did not time
+    stay, and ``max_rows`` is the larger of the two (Gemma 3 then Gemma 4 into the gemma plugin's table)."""
     merged = dict(table)
     for kernel, entry in entries.items():
-        merged[kernel] = {"_comment": f"{source}, {datetime.date.today()}", **entry}
+        new = {"_comment": f"{source}, {datetime.date.today()}", **entry}
+        old = table.get(kernel) or {}
+        if by_shape and old:
+            swept = {key.rsplit("_m", 1)[0] for key in entry if key.startswith("n")}
+            kept = {key: v for key, v in old.items() if key.startswith("n") and key.rsplit("_m", 1)[0] not in swept}
+            rows = [d.get("max_rows") for d in (old.get("default", {}), entry.get("default", {})) if d.get("max_rows")]
+            new = {**new, **kept, **({"default": {**entry.get("default", {}), "max_rows": max(rows)}} if rows else {})}
+        merged[kernel] = new
     return merged
 
 
@@ -105,13 +137,15 @@ def main() -> None:
     ap.add_argument("--smoke", action="store_true", help="CPU interpreter runs of the sweeps (checks the plumbing)")
     ap.add_argument("--only", nargs="*", default=None, help="sweep scripts to run (default: all)")
     ap.add_argument("--generic", action="store_true", help="write the capability's table (sm_90), not this GPU's")
+    ap.add_argument("--model", default="qwen", choices=("qwen", "nemotron", "glm", "gemma4", "gemma3", "all"),
+                    help="whose shapes: qwen (default: every sweep) or a plugin model (its GEMM / MoE / Mamba sweeps)")
     args = ap.parse_args()
     if args.write and args.smoke:
         ap.error("--write with --smoke would write interpreter timings into the tables")
     name = target(args.generic)
     tables: dict[str, dict] = {}
-    for sweep in SWEEPS:
-        if args.only is not None and sweep.script not in args.only:
+    for sweep in SWEEPS if args.model == "qwen" else plugin_sweeps(args.model):
+        if args.only is not None and Path(sweep.script).name not in args.only:
             continue
         out = args.out / Path(sweep.script).stem
         cmd = [sys.executable, str(HERE / sweep.script), "--out", str(out), *sweep.args, *(["--smoke"] if args.smoke else [])]
@@ -122,11 +156,13 @@ def main() -> None:
             print(f"  {sweep.script} failed (exit {proc.returncode}); its entries stay as they are", flush=True)
             continue
         entries = sweep.entries(json.loads(result_file.read_text()))
-        print(f"  -> {sweep.package}/tuning/{name}.json: {sorted(entries)}", flush=True)
-        if sweep.package not in tables:
-            path = table_path(sweep.package, name)
-            tables[sweep.package] = json.loads(path.read_text()) if path.exists() else {}
-        tables[sweep.package] = merge(tables[sweep.package], entries, f"bench/{sweep.script}")
+        per_package = entries if sweep.package is None else {sweep.package: entries}
+        for package, kernels in per_package.items():
+            print(f"  -> {package}/tuning/{name}.json: {sorted(kernels)}", flush=True)
+            if package not in tables:
+                path = table_path(package, name)
+                tables[package] = json.loads(path.read_text()) if path.exists() else {}
+            tables[package] = merge(tables[package], kernels, f"bench/{Path(sweep.script).name}", sweep.by_shape)
     for package, table in tables.items():
         text = render(table)
         review = args.out / "tuning" / package / f"{name}.json"

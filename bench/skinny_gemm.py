@@ -1,6 +1,8 @@
 """Skinny GEMM (decode projections) vs cuBLAS: timing, correctness and the tuning-table entry.
 
     python bench/skinny_gemm.py --out DIR            # H200: the Qwen3.6 projections, M in 1..16 (<= 90 s)
+    python bench/skinny_gemm.py --out DIR --model glm   # a plugin model's decode projections, M in 1..8
+    python bench/skinny_gemm.py --out DIR --model all   # nemotron, glm, gemma4, gemma3 one after another
     python bench/skinny_gemm.py --out DIR --smoke    # CPU (TRITON_INTERPRET=1): tiny shapes, logic only
 
 For each shape y[M, N] = x[M, K] @ W[N, K]^T (bf16) and M, cuBLAS (F.linear) and every candidate
@@ -8,8 +10,10 @@ config (path, BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) x split_k are timed insi
 of >= 20 back-to-back calls that rotate over distinct weight copies (> 120 MB per pass, so the
 50 MB L2 does not serve W). Errors are max|y - ref| / max|ref| against the fp32 product; split
 configs are also checked bit-for-bit across calls and graph replays, with their tickets back at 0.
-Writes DIR/skinny_gemm.json (every measurement) and DIR/skinny_gemm_table.json (the "skinny_gemm"
-entry for core/kernels/tuning/sm_90.json). Candidates compile first in worker processes (disk cache).
+Writes DIR/skinny_gemm.json (every measurement), DIR/skinny_gemm_table.json (the "skinny_gemm" entry
+of the first model's plugin table) and DIR/skinny_gemm_tables.json ({package: {"skinny_gemm": entry}},
+Gemma 3 and 4 merged into the gemma plugin's). Plugin models' shapes come from decode_shapes.py (every
+``ops.linear`` of the model at the bench config's size). Candidates compile first in worker processes.
 """
 from __future__ import annotations
 
@@ -31,9 +35,11 @@ import torch.nn.functional as F  # noqa: E402
 
 from armillary.kernels.triton import skinny_gemm as sg  # noqa: E402
 from armillary.kernels import tuning  # noqa: E402
-
-tuning.use_packages(("armillary_qwen_gdn_moe",))  # Qwen3.6 shapes: the shipped tables as the served model reads them
 from armillary.kernels.triton.device_buffers import ticket_buffer  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+PLUGIN_MODELS = ("nemotron", "glm", "gemma4", "gemma3")  # --model all
+QWEN_PACKAGE = "armillary_qwen_gdn_moe"
 
 DEVICE = "cpu" if SMOKE else "cuda"
 DTYPE = torch.float16 if SMOKE else torch.bfloat16  # the interpreter miscomputes bf16
@@ -44,6 +50,7 @@ SHAPES = {  # name: (N, K); GDN out_proj and attention o_proj share (2048, 4096)
     "router": (257, 2048),
 }
 ROWS = (1, 2, 4, 8, 16)
+PLUGIN_ROWS = (1, 2, 4, 8)  # the plugin tables' batch 1..8
 # (path, BLOCK_M (0: the rows), BLOCK_N, BLOCK_K, num_warps, num_stages); Triton pipelines (num_stages > 1)
 # only the loads that feed tl.dot, so fma candidates run one stage and rely on several CTAs per SM
 FMA_ONE = [("fma", 1, bn, bk, w, 1) for bn, bk, w in [(8, 256, 4), (8, 512, 4), (16, 256, 4), (16, 512, 4),
@@ -61,6 +68,19 @@ if SMOKE:
     ROWS = (1, 3)
     FMA_ONE, FMA_FEW, DOT = [("fma", 1, 8, 32, 2, 1)], [("fma", 0, 8, 32, 2, 1)], [("dot", 16, 16, 32, 2, 1)]
     SPLITS, ROTATE_BYTES, CALLS = (1, 2), 0, 2
+    PLUGIN_ROWS = ROWS
+
+
+def model_shapes(model: str) -> tuple[str, dict[str, tuple[int, int]], tuple[int, ...]]:
+    """(package, {name: (N, K)}, rows) of ``model``: Qwen's fixed list, or the plugin model's projections."""
+    if model == "qwen":
+        return QWEN_PACKAGE, SHAPES, ROWS
+    from decode_shapes import PACKAGES, linear_shapes
+
+    if SMOKE:  # two of the model's layer names on tiny shapes: the plumbing only
+        names = ["+".join(v) for v in linear_shapes(model).values()][:2]
+        return PACKAGES[model], dict(zip(names, [(67, 64), (24, 96)])), PLUGIN_ROWS
+    return PACKAGES[model], {"+".join(v): nk for nk, v in linear_shapes(model).items()}, PLUGIN_ROWS
 
 
 def candidates(rows: int) -> list[tuple]:
@@ -102,11 +122,11 @@ def warm_worker(jobs: list[tuple]) -> int:
     return done
 
 
-def warm_compile(workers: int) -> None:
+def warm_compile(workers: int, shapes: dict[str, tuple[int, int]], row_counts: tuple[int, ...]) -> None:
     """One launch per distinct specialisation (split_k is a runtime argument: split 1 only)."""
     jobs, seen = [], set()
-    for n, k in SHAPES.values():
-        for rows in ROWS:
+    for n, k in shapes.values():
+        for rows in row_counts:
             for cand in candidates(rows):
                 bm = cand[1] or min(1 << (rows - 1).bit_length(), 16)
                 key = (n % 16 == 0, cand[0], bm, cand[2:])
@@ -212,8 +232,9 @@ def summarise(row: dict) -> dict:
     return out
 
 
-def table_entry(summaries: list[dict]) -> dict:
+def table_entry(summaries: list[dict], shapes: dict[str, tuple[int, int]] | None = None) -> dict:
     """The "skinny_gemm" tuning entry: one key per (N, K, M bucket), "use" where the kernel wins."""
+    shapes = SHAPES if shapes is None else shapes
     entry: dict = {"_comment": f"bench/skinny_gemm.py on {results_device()}; keys n{{N}}_k{{K}}_m{{rows "
                                f"rounded up to 2^i}}; use: beats cuBLAS by > {100 * (1 - WIN):.0f}%"}
     winning_rows = [s["M"] for s in summaries if s.get("wins")]
@@ -221,7 +242,7 @@ def table_entry(summaries: list[dict]) -> dict:
     for s in summaries:
         if "best" not in s:
             continue
-        n, k = SHAPES[s["shape"]]
+        n, k = shapes[s["shape"]]
         cfg = {key: v for key, v in s["best"].items()}
         entry[sg.config_key(s["M"], n, k)] = {"use": bool(s["wins"]), **cfg}
     return entry
@@ -231,34 +252,29 @@ def results_device() -> str:
     return "cpu-interpreter" if SMOKE else torch.cuda.get_device_name()
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", required=True)
-    parser.add_argument("--smoke", action="store_true")
-    parser.add_argument("--workers", type=int, default=1 if SMOKE else min(12, os.cpu_count() or 1))
-    parser.add_argument("--budget-s", type=float, default=85.0, help="stop timing new configs after this")
-    args = parser.parse_args()
-    os.makedirs(args.out, exist_ok=True)
+def bench_model(model: str, args, results: dict) -> tuple[str, dict]:
+    """Every shape of ``model`` at each row count: (package, its "skinny_gemm" entry); rows into ``results``."""
+    package, shapes, row_counts = model_shapes(model)
+    tuning.use_packages((package,))  # the shipped tables as the served model reads them
     start = time.time()
-    deadline = start + args.budget_s
-    import triton
-
-    warm_compile(args.workers)
-    results = {"device": results_device(), "torch": torch.__version__, "triton": triton.__version__, "rows": []}
+    budget = args.budget_s if args.budget_s is not None else (85.0 if model == "qwen" else 20.0 * len(shapes))
+    deadline = start + budget
+    print(f"== {model} ({package}): {len(shapes)} shapes x M {row_counts}, budget {budget:.0f} s", flush=True)
+    warm_compile(args.workers, shapes, row_counts)
     summaries = []
-    for rows in ROWS:  # every shape at M = 1 first: the budget, if short, cuts the larger M
-        for name, (n, k) in SHAPES.items():
+    for rows in row_counts:  # every shape at M = 1 first: the budget, if short, cuts the larger M
+        for name, (n, k) in shapes.items():
             try:
                 row = bench_shape(name, n, k, rows, deadline)
             except Exception as e:  # keep going: one broken shape must not hide the others
                 row = {"shape": name, "N": n, "K": k, "M": rows, "error": f"{type(e).__name__}: {str(e)[:300]}",
                        "configs": []}
                 print(json.dumps(row), flush=True)
-                results["rows"].append(row)
+                results["rows"].append({"model": model, **row})
                 continue
-            results["rows"].append(row)
+            results["rows"].append({"model": model, **row})
             s = summarise(row)
-            summaries.append(s)
+            summaries.append({"model": model, **s})
             fmt = lambda v: f"{v:8.2f}" if v is not None else "       -"  # noqa: E731
             print(f"{name:12} M={rows:2d} cuBLAS {row['cublas_us']:8.2f} us {row['cublas_GBps']:6.0f} GB/s | "
                   f"table {fmt(s['table_us'])}{'*' if s['table_use'] else ' '} fma {fmt(s['best_fma_us'])} "
@@ -270,15 +286,50 @@ def main() -> None:
             if not SMOKE:
                 del row
                 torch.cuda.empty_cache()
-    results["summary"] = summaries
-    results["elapsed_s"] = time.time() - start
-    table = {"skinny_gemm": table_entry(summaries)}
-    with open(os.path.join(args.out, "skinny_gemm.json"), "w") as f:
-        json.dump(results, f, indent=1)
+    results["summary"] += summaries
+    return package, table_entry(summaries, shapes)
+
+
+def merge_entries(have: dict | None, new: dict) -> dict:
+    """Two models of one plugin (Gemma 3 and 4): both shape sets, the larger max_rows."""
+    if have is None:
+        return new
+    merged = {**have, **{k: v for k, v in new.items() if k not in ("_comment", "default")}}
+    merged["default"] = {"max_rows": max(have["default"]["max_rows"], new["default"]["max_rows"])}
+    return merged
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--smoke", action="store_true")
+    parser.add_argument("--workers", type=int, default=1 if SMOKE else min(12, os.cpu_count() or 1))
+    parser.add_argument("--budget-s", type=float, default=None,
+                        help="per model: stop timing new configs after this (default 85 s Qwen, 20 s per shape)")
+    parser.add_argument("--model", default="qwen", choices=("qwen", *PLUGIN_MODELS, "all"),
+                        help="whose projections: qwen (default), a plugin model, or all plugin models")
+    args = parser.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    start = time.time()
+    import triton
+
+    results = {"device": results_device(), "torch": torch.__version__, "triton": triton.__version__, "rows": [],
+               "summary": []}
+    tables: dict[str, dict] = {}
+    for model in PLUGIN_MODELS if args.model == "all" else (args.model,):
+        package, entry = bench_model(model, args, results)
+        tables[package] = {"skinny_gemm": merge_entries(tables.get(package, {}).get("skinny_gemm"), entry)}
+        results["elapsed_s"] = time.time() - start
+        with open(os.path.join(args.out, "skinny_gemm.json"), "w") as f:
+            json.dump(results, f, indent=1)
+        with open(os.path.join(args.out, "skinny_gemm_tables.json"), "w") as f:
+            json.dump(tables, f, indent=1)
+    first = next(iter(tables))
     with open(os.path.join(args.out, "skinny_gemm_table.json"), "w") as f:
-        json.dump(table, f, indent=1)
-    print("tuning entry for core/kernels/tuning/sm_90.json:")
-    print(json.dumps(table))
+        json.dump(tables[first], f, indent=1)
+    for package, table in tables.items():
+        print(f"tuning entry for {package}/tuning/sm_90.json:")
+        print(json.dumps(table))
     print(f"done in {time.time() - start:.0f} s -> {args.out}")
 
 

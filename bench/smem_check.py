@@ -53,6 +53,8 @@ from armillary.kernels.triton import paged_attention  # noqa: E402
 from armillary.kernels.triton.causal_conv1d import causal_conv1d_prefill  # noqa: E402
 from armillary_qwen_gdn_moe.ops.gated_delta_rule.chunk import chunk_gated_delta_rule_slots  # noqa: E402
 from armillary_qwen_gdn_moe.ops.gated_delta_rule.fused_recurrent import fused_gdn_decode  # noqa: E402
+from armillary_qwen_gdn_moe.ops.gated_delta_rule.fused_verify import fused_gdn_verify  # noqa: E402
+from armillary_qwen_gdn_moe.ops.gated_delta_rule.gates import gdn_gates  # noqa: E402
 
 
 @dataclass(frozen=True, slots=True)
@@ -205,8 +207,13 @@ def _gated_deltanet(m: ModelShapes, batch: SimpleNamespace, t: int) -> None:
     if batch.is_decode_only:
         fused_gdn_decode(projected, conv_w, conv_states, ssm_states, torch.empty(hv), torch.empty(hv), norm_w,
                          1e-6, batch.state_slots, hk, kd, vd)
+        drafts = 2  # a verify step of the same sequences (K = 2): three rows each
+        fused_gdn_verify(projected.new_empty(t * (drafts + 1), projected.shape[1]), conv_w, conv_states, ssm_states,
+                         torch.empty(hv), torch.empty(hv), norm_w, 1e-6, batch.state_slots,
+                         torch.empty(t, drafts, dtype=torch.int32), hk, kd, vd)
         return
-    mixed, z, _, _ = projected.split([conv_dim, value_dim, hv, hv], dim=-1)
+    mixed, z, b, a = projected.split([conv_dim, value_dim, hv, hv], dim=-1)
+    gdn_gates(b, a, torch.empty(hv), torch.empty(hv))
     mixed = causal_conv1d_prefill(mixed, conv_w, None, conv_states, batch.state_slots, batch.query_start_loc,
                                   activation="silu", cu_seqlens_cpu=batch.query_start_loc_cpu)
     q, k, v = mixed.split([key_dim, key_dim, value_dim], dim=-1)

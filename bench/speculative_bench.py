@@ -61,6 +61,11 @@ def main() -> None:
     cfg["mtp_num_hidden_layers"] = 1
     k = args.num_drafts
     rows: list[tuple[str, float]] = []
+
+    def add(row: tuple[str, float]) -> None:  # printed as measured: a run cut short keeps its figures
+        rows.append(row)
+        print(f"| {row[0]} | {row[1]:.3f} |", flush=True)
+
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp)
         (path / "config.json").write_text(json.dumps(cfg))
@@ -69,43 +74,41 @@ def main() -> None:
         prompt = 32 if args.tiny else args.prompt
 
         spec = Ours(path, args.device, 4096, 64, eager=False, speculative=True, num_drafts=k)
-        rows.append(("startup with --speculative (s)", spec.startup))
+        add(("startup with --speculative (s)", spec.startup))
         runner, sched = spec.engine.runner, spec.engine.scheduler
-        rows.append((f"b1 decode tok/s, K={k}, real verification (random MTP)", _decode_rate(spec, 1, prompt, new)))
-        rows.append(("  acceptance rate (random weights)", spec.engine.stats()["spec_acceptance_rate"]))
+        add((f"b1 decode tok/s, K={k}, real verification (random MTP)", _decode_rate(spec, 1, prompt, new)))
+        add(("  acceptance rate (random weights)", spec.engine.stats()["spec_acceptance_rate"]))
         runner.speculative.force_accept = True
         verify_step = _step_time(spec, prompt, steps)
-        rows.append((f"verify step, K={k}, forced accept (ms)", verify_step * 1e3))
-        rows.append((f"b1 decode tok/s, K={k}, forced accept", _decode_rate(spec, 1, prompt, new)))
-        rows.append((f"8 streams tok/s, K={k}, forced accept", _decode_rate(spec, 8, prompt, new)))
+        add((f"verify step, K={k}, forced accept (ms)", verify_step * 1e3))
+        add((f"b1 decode tok/s, K={k}, forced accept", _decode_rate(spec, 1, prompt, new)))
+        add((f"8 streams tok/s, K={k}, forced accept", _decode_rate(spec, 8, prompt, new)))
         proposer = runner.proposer
         runner.proposer, sched.num_drafts = None, 0  # the same engine, drafting off: eager plain decode
         eager_step = _step_time(spec, prompt, steps)
-        rows.append(("plain decode step, eager (ms)", eager_step * 1e3))
-        rows.append(("verify step / eager plain step", verify_step / eager_step))
+        add(("plain decode step, eager (ms)", eager_step * 1e3))
+        add(("verify step / eager plain step", verify_step / eager_step))
         runner.proposer, sched.num_drafts = proposer, k
         del spec, runner, sched, proposer
+        gc.unfreeze()  # the engine froze every object it saw: its cycles are collectable again only so
         gc.collect()
         if args.device == "cuda":
             torch.cuda.empty_cache()
 
         plain = Ours(path, args.device, 4096, 64, eager=args.device != "cuda")
         graph_step = _step_time(plain, prompt, steps)
-        rows.append(("plain decode step, CUDA graphs (ms)", graph_step * 1e3))
-        rows.append(("verify step / graphed plain step", verify_step / graph_step))
+        add(("plain decode step, CUDA graphs (ms)", graph_step * 1e3))
+        add(("verify step / graphed plain step", verify_step / graph_step))
         b1 = _decode_rate(plain, 1, prompt, new)
         b8 = _decode_rate(plain, 8, prompt, new)
-        rows.append(("b1 decode tok/s, no speculation (graphs)", b1))
-        rows.append(("8 streams tok/s, no speculation (graphs)", b8))
+        add(("b1 decode tok/s, no speculation (graphs)", b1))
+        add(("8 streams tok/s, no speculation (graphs)", b8))
         forced_b1 = next(v for name, v in rows if name.startswith(f"b1 decode tok/s, K={k}, forced"))
         forced_b8 = next(v for name, v in rows if name.startswith("8 streams tok/s"))
-        rows.append(("forced-accept b1 / no speculation", forced_b1 / b1))
-        rows.append(("forced-accept 8 streams / no speculation", forced_b8 / b8))
+        add(("forced-accept b1 / no speculation", forced_b1 / b1))
+        add(("forced-accept 8 streams / no speculation", forced_b8 / b8))
         # vLLM's reported mean of 2.5 tokens per step at K=2: projected from the measured verify step
-        rows.append(("projected b1 tok/s at 2.5 tokens/step", 2.5 / verify_step))
-    print("| figure | value |\n|---|---|")
-    for name, value in rows:
-        print(f"| {name} | {value:.3f} |")
+        add(("projected b1 tok/s at 2.5 tokens/step", 2.5 / verify_step))
     out = os.environ.get("OUT")
     if out:
         Path(out, "speculative.json").write_text(json.dumps(dict(rows), indent=1))

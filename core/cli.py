@@ -69,17 +69,20 @@ def main(argv: list[str] | None = None) -> int:
     serve = sub.add_parser("serve", help="serve a model over the OpenAI and Anthropic APIs")
     try:
         from armillary.server.cli import add_serve_args, run_serve
-    except ImportError as exc:  # the server's dependencies are optional for the offline API
-        serve.set_defaults(serve_error=str(exc))
+    except ImportError as exc:  # a broken install: say so for any flags given, never "unrecognized arguments"
+        serve.set_defaults(serve_error=f"{exc}; the server's packages are armillary's own dependencies, so this "
+                                       f"install is incomplete: reinstall it (pip install --force-reinstall armillary)")
     else:
         add_serve_args(serve)
         serve.set_defaults(run=run_serve)
-    args = parser.parse_args(argv)
-    if args.command == "plugins":
-        return cmd_plugins(args)
-    if getattr(args, "serve_error", None):
+    args, unknown = parser.parse_known_args(argv)
+    if getattr(args, "serve_error", None):  # whatever flags were given: they could not be known
         print(f"armillary serve is unavailable: {args.serve_error}", file=sys.stderr)
         return 1
+    if unknown:
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    if args.command == "plugins":
+        return cmd_plugins(args)
     return args.run(args)
 
 

@@ -16,6 +16,9 @@ DTYPE_CHOICES = ("auto", *_DTYPES)
 LOAD_FORMATS = ("auto", "dummy")
 KERNEL_BACKENDS = ("auto", "reference", "triton")  # armillary.kernels.ops._BACKENDS
 GENERATION_CONFIG_CHOICES = ("auto", "vllm")  # or a folder holding a generation_config.json
+# --quantization values naming the checkpoint's own format (armillary.layers.quantization.context.CHECKPOINT_FORMATS)
+CHECKPOINT_QUANTIZATIONS = ("modelopt", "modelopt_fp4", "modelopt_mixed", "compressed-tensors")
+SCHEDULING_POLICIES = ("fcfs", "slai")  # slai: prefill chunks sized to keep decodes under tbt_deadline_ms
 
 
 @dataclass(slots=True)
@@ -25,6 +28,8 @@ class EngineConfig:
     max_model_len: int | None = None  # None: the checkpoint's limit
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048  # token budget of one step (decodes + prefill chunks)
+    scheduling_policy: str = "fcfs"  # fcfs, or slai: deadline-aware prefill chunks (Atlas's --scheduling-policy)
+    tbt_deadline_ms: float = 50.0  # slai: the inter-token latency running streams are kept under
     block_size: int = 16
     gpu_memory_utilization: float = 0.9
     cpu_kv_cache_space_gb: float = 4.0  # the KV + state budget when running on the CPU
@@ -35,7 +40,7 @@ class EngineConfig:
     speculative: bool = False  # draft tokens with the checkpoint's MTP head and verify them (Atlas's --speculative)
     num_drafts: int = 2  # draft tokens per step when speculative (Atlas's --num-drafts; vLLM num_speculative_tokens)
     speculative_force_accept: bool = False  # benchmarks only: accept every draft (tokens are then wrong)
-    quantization: str | None = None  # None: the checkpoint's quantization_config; "fp8": quantize a bf16 checkpoint online
+    quantization: str | None = None  # None: the checkpoint's quantization_config; "fp8" / "nvfp4": quantize a bf16 checkpoint online
     kv_cache_dtype: str = "auto"  # auto: the model dtype; fp8 (e4m3 with per-layer scales)
     kv_high_precision_layers: str = "auto"  # with an fp8 KV cache: attention layers kept in the model dtype
     fp8_kv_calibration_tokens: int = 0  # with an fp8 KV cache and no checkpoint scales: calibrate over this many tokens
@@ -47,6 +52,7 @@ class EngineConfig:
     kernel_backend: str = "auto"  # "reference": torch kernels on CUDA too (the oracle); "triton": Triton everywhere
     max_graph_batch: int = 256  # largest decode batch captured in a CUDA graph
     async_scheduling: bool | None = None  # launch the next decode before reading tokens back; None: on CUDA
+    warmup: bool = True  # at start-up, run the prefill sizes, sampler paths and a grammar once (armillary.warmup)
     revision: str | None = None
     chat_template: str | None = None  # a .jinja file or inline template: replaces the checkpoint's template
     generation_config: str = "auto"  # auto: the checkpoint's generation_config.json; vllm: none; or a folder
@@ -81,6 +87,11 @@ class EngineConfig:
         if device[0] not in ("auto", "cpu", "cuda") or len(device) > 2 or (
                 len(device) == 2 and (device[0] != "cuda" or not device[1].isdigit())):
             raise ValueError(f"device must be auto, cpu, cuda or cuda:N, not {self.device!r}")
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling_policy must be one of {', '.join(SCHEDULING_POLICIES)}, not "
+                             f"{self.scheduling_policy!r}")
+        if not (isinstance(self.tbt_deadline_ms, (int, float)) and self.tbt_deadline_ms > 0):
+            raise ValueError(f"tbt_deadline_ms must be a positive number of milliseconds, not {self.tbt_deadline_ms!r}")
         if self.generation_config not in GENERATION_CONFIG_CHOICES:
             folder = Path(self.generation_config).expanduser()
             if not (folder / "generation_config.json").is_file():
@@ -94,9 +105,10 @@ class EngineConfig:
                              f"({self.block_size}), not {interval!r}")
         if not isinstance(self.num_state_snapshots, int) or self.num_state_snapshots < 0:
             raise ValueError(f"num_state_snapshots must be an integer of at least 0, not {self.num_state_snapshots!r}")
-        if self.quantization not in (None, "fp8", "fp8_block"):
-            raise ValueError(f"quantization must be fp8 (per-channel) or fp8_block (128 x 128) for online "
-                             f"quantization, not {self.quantization!r}")
+        if self.quantization not in (None, "fp8", "fp8_block", "nvfp4", *CHECKPOINT_QUANTIZATIONS):
+            raise ValueError(f"quantization must be fp8 (per-channel), fp8_block (128 x 128) or nvfp4 for online "
+                             f"quantization, or the checkpoint's own format ({', '.join(CHECKPOINT_QUANTIZATIONS)}), "
+                             f"not {self.quantization!r}")
         if self.kv_cache_dtype not in ("auto", "fp8", "fp8_e4m3"):
             raise ValueError(f"kv_cache_dtype must be auto, fp8 or fp8_e4m3, not {self.kv_cache_dtype!r}")
         hp = str(self.kv_high_precision_layers).replace(" ", "")

@@ -27,8 +27,11 @@ from armillary.registry import PluginRegistry, default_registry
 from armillary.request_state import RequestState, SeqText
 from armillary.sampling_params import SamplingParams
 from armillary.scheduler import Scheduler
+from armillary.scheduling_policy import build_policy
 from armillary.sequence import Sequence
 from armillary.structured.outputs import StructuredOutputs
+from armillary.thinking_budget import ThinkingBudgets
+from armillary.warmup import configure_compile_cache, warm_up
 from armillary.worker import ModelWorker, Worker
 
 log = logging.getLogger("armillary")
@@ -44,8 +47,10 @@ class LLMEngine:
     """
 
     def __init__(self, config: EngineConfig, registry: PluginRegistry | None = None) -> None:
+        started = time.perf_counter()
         config.validate()
         self.config = config
+        configure_compile_cache()  # before anything compiles: Triton's cache persists across starts
         self.registry = registry or default_registry()
         self.registry.hook.armillary_startup(config=config)
         self.source = open_model_source(config.model, config.revision, self.registry, config)
@@ -64,6 +69,7 @@ class LLMEngine:
         text_config = model_cls.text_config(self.hf_config)
         self.eos_token_ids = self._eos_token_ids(text_config)
         self.structured = StructuredOutputs(self.tokenizer, text_config.vocab_size, self.eos_token_ids)
+        self.thinking = ThinkingBudgets(self.registry, self.arch, self.tokenizer)
 
         quant = resolve_quant_config(self.hf_config, self.registry, config.quantization)
         self.worker: Worker = ModelWorker(config, model_cls, self.hf_config, self.source, self.device, self.dtype,
@@ -81,10 +87,23 @@ class LLMEngine:
         apply_kv_scales(self.worker.caches, self.worker.model, layout, config.fp8_kv_calibration_tokens,
                         text_config.vocab_size, config.block_size, self.dtype)
         log.info("memory plan: %s", self.plan.describe())
+        self._init_bookkeeping()
+        if config.warmup:
+            warm_up(self)  # every prefill size, sampler path and a grammar once: kernels compiled and cached
+            self._init_bookkeeping()  # and nothing of it left: requests, counters, prefix-cache entries
+        self.startup_seconds = time.perf_counter() - started
+        log.info("start-up: %.1f s", self.startup_seconds)
+        gc.collect()
+        gc.freeze()  # torch's and the model's objects out of the collector: no 100 ms pauses inside steps
+
+    def _init_bookkeeping(self) -> None:
+        """Fresh host-side state: coordinator (every block and slot free), scheduler, requests, counters."""
+        config = self.config
         self.cache = CacheCoordinator.from_plan(self.plan, prefix_caching=config.enable_prefix_caching,
                                                 checkpoint_interval=config.state_checkpoint_interval)
         self.scheduler = Scheduler(config.max_num_seqs, config.max_num_batched_tokens, self.cache, self._check_token,
-                                   num_drafts=self.num_drafts, spec_row=self.plan.spec_row)
+                                   num_drafts=self.num_drafts, spec_row=self.plan.spec_row,
+                                   policy=build_policy(config.scheduling_policy, config.tbt_deadline_ms))
         self.requests: dict[str, RequestState] = {}
         # speculation reads each step's drafts on the host before planning the next one
         self.async_scheduling = not self.num_drafts and (
@@ -92,9 +111,9 @@ class LLMEngine:
         self.spec_stats = {"num_verify_steps": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0,
                            "num_emitted_tokens": 0}
         self._inflight: LaunchedStep | None = None  # a launched step whose tokens are not read yet
+        self._inflight_started = 0.0  # perf_counter when it was launched
+        self._last_step_done = 0.0  # perf_counter when the latest step's tokens were read
         self.num_async_steps = 0  # steps launched before their inputs were on the host
-        gc.collect()
-        gc.freeze()  # torch's and the model's objects out of the collector: no 100 ms pauses inside steps
 
     @property
     def model(self):
@@ -189,11 +208,13 @@ class LLMEngine:
             raise InvalidRequestError(f"the request needs {need} KV blocks ({len(ids) + max_tokens} tokens); "
                                       f"the pool holds {self.cache.pool.num_usable}")
         grammar = self.structured.compile(params.structured) if params.structured is not None else None
+        thinking = self.thinking.rule(params, text, ids)
         seqs, texts = [], []
         for i in range(params.n):
             seed = None if params.seed is None else params.seed + i
             seq = Sequence(request_id, i, ids, params, self.eos_token_ids, seed=seed, arrival=time.time(),
                            max_tokens=max_tokens)
+            seq.thinking = thinking.start() if thinking is not None else None
             seqs.append(seq)
             if grammar is not None:
                 self.structured.attach(seq, grammar)
@@ -238,14 +259,16 @@ class LLMEngine:
         host's bookkeeping then overlaps the GPU's work. A sequence that ends on the awaited token
         (stop token, stop string) had one token too many launched; that token is dropped.
         """
-        step = self._inflight
+        step, started = self._inflight, self._inflight_started
         if step is None:
+            started = time.perf_counter()
             plan = self.scheduler.schedule()
             if not plan:
                 return []
             step = self.worker.launch(plan)
+        self._inflight_started = time.perf_counter()
         self._inflight = self._launch_continuation(step)
-        outputs = self._collect(step)
+        outputs = self._collect(step, started)
         if self._inflight is not None and all(c.seq.is_finished for c in self._inflight.plan.chunks):
             self._inflight = None  # its results concern no live sequence; the GPU finishes it unobserved
         return outputs
@@ -278,9 +301,13 @@ class LLMEngine:
         self.num_async_steps += 1
         return self.worker.launch(plan)
 
-    def _collect(self, step: LaunchedStep) -> list[RequestOutput]:
+    def _collect(self, step: LaunchedStep, started: float) -> list[RequestOutput]:
         """Wait for ``step``'s tokens and hand them to the scheduler; outputs of the requests they touched."""
         out = step.wait()
+        done = time.perf_counter()
+        # the step's wall time: from its launch, or, queued behind the previous step, from that one's end
+        self.scheduler.policy.observe_step(step.plan.num_tokens, done - max(started, self._last_step_done))
+        self._last_step_done = done
         if out is not None and self.num_drafts:
             self._count_speculation(step.plan, out)
         now = time.time()
@@ -359,6 +386,7 @@ class LLMEngine:
             **self.cache.stats(),
             "num_preemptions": self.scheduler.num_preemptions,
             "num_async_steps": self.num_async_steps,
+            "startup_seconds": self.startup_seconds,
             **self._speculation_stats(),
         }
 

@@ -104,11 +104,17 @@ def _read_json(path: Path) -> dict[str, Any]:
 
 
 def load_hf_config(path: Path) -> HFConfig:
-    """``config.json`` of a resolved checkpoint directory."""
+    """``config.json`` of a resolved checkpoint directory (with ``hf_quant_config.json`` as its
+    ``quantization_config`` when config.json has none: ModelOpt's exports)."""
     file = Path(path) / "config.json"
     if not file.is_file():
         raise ModelNotFoundError(f"model directory {str(path)!r} has no config.json")
-    return HFConfig(_read_json(file))
+    data = _read_json(file)
+    modelopt = Path(path) / "hf_quant_config.json"  # ModelOpt's older exports keep their quantization here
+    if modelopt.is_file() and "quantization_config" not in data and \
+            "quantization_config" not in (data.get("text_config") or {}):
+        data["quantization_config"] = {"quant_method": "modelopt", **_read_json(modelopt)}
+    return HFConfig(data)
 
 
 def load_generation_defaults(path: Path) -> dict[str, Any]:

@@ -43,6 +43,11 @@ class ModelSource(ABC):
     def iter_weights(self, progress: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
         """``(checkpoint name, tensor)`` pairs, names as the architecture's ``load_weights`` expects."""
 
+    def weights_on(self, device: torch.device, progress: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
+        """``iter_weights`` with tensors already on ``device`` where the format can read them there
+        (safetensors: prefetched, pinned and copied in); by default, the CPU tensors of ``iter_weights``."""
+        return self.iter_weights(progress)
+
     @abstractmethod
     def tokenizer(self) -> Tokenizer | None:
         """The tokenizer shipped with the model, or None when it has none."""
@@ -65,6 +70,11 @@ class HFDirectory(ModelSource):
         from armillary.weights import iter_safetensors
 
         return iter_safetensors(self.path, progress=progress)
+
+    def weights_on(self, device: torch.device, progress: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
+        from armillary.weights import iter_safetensors
+
+        return iter_safetensors(self.path, progress=progress, device=device)
 
     def tokenizer(self) -> Tokenizer | None:
         from armillary.tokenizer import Tokenizer
@@ -95,6 +105,9 @@ class ConfiguredSource(ModelSource):
 
     def iter_weights(self, progress: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
         return self.inner.iter_weights(progress)
+
+    def weights_on(self, device: torch.device, progress: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
+        return self.inner.weights_on(device, progress)
 
     def tokenizer(self) -> Tokenizer | None:
         from armillary.chat_template import load_chat_template

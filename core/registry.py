@@ -45,6 +45,9 @@ class ArchSpec:
     default_reasoning_parser: str | None = None
     description: str = ""
     plugin: str = ""
+    # the model card's sampling defaults by mode: "thinking", "non_thinking" (and "<mode>_tools"), each
+    # {"temperature": ..., "top_p": ...}; a server applies them to knobs a request leaves unset
+    sampling_defaults: dict = field(default_factory=dict)
 
     def load(self) -> type:
         return import_object(self.model_cls)
@@ -132,8 +135,11 @@ class _Registry(Generic[R]):
         name = record.name  # type: ignore[attr-defined]
         if name in self._records:
             other = self._records[name].plugin  # type: ignore[attr-defined]
+            # no override order: which of two plugins wins would depend on install order
             raise PluginError(
-                f"duplicate {self.kind} {name!r}: registered by plugin {other!r} and by {self.current_plugin!r}"
+                f"duplicate {self.kind} {name!r}: registered by plugin {other!r} and by {self.current_plugin!r}; "
+                f"{self.kind} names are one namespace across plugins (rename one, or disable a plugin with "
+                f"{DISABLE_ENV}=NAME)"
             )
         record.plugin = self.current_plugin  # type: ignore[attr-defined]
         self._records[name] = record

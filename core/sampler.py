@@ -1,7 +1,7 @@
 """Turns one step's logits into tokens, with vLLM's semantics.
 
-Order: raw logprobs -> penalties -> min_tokens stop masking -> greedy argmax, or temperature ->
-top-k -> top-p -> min-p -> exponential-race sampling. The reference path: plain torch, runs on the
+Order: raw logprobs -> penalties -> min_tokens stop masking -> thinking-budget forcing -> greedy
+argmax, or temperature -> top-k -> top-p -> min-p -> exponential-race sampling. The reference path: plain torch, runs on the
 logits' device (CPU or CUDA), vectorised over the batch, and never reads a device value back to
 the host.
 """
@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from armillary.sequence import Sequence
+from armillary.thinking_budget import force_thinking_end
 
 # the smallest positive float32: an Exp(1) draw of exactly 0 would make -log(q) infinite
 _TINY = torch.finfo(torch.float32).tiny
@@ -157,6 +158,7 @@ class Sampler:
         logits = logits.float()
         device = logits.device
         processed = mask_stop_tokens_before_min(apply_penalties(logits, seqs), seqs)  # [B, V]
+        processed = force_thinking_end(processed, seqs)
 
         greedy_rows = [i for i, s in enumerate(seqs) if s.params.greedy]
         sampled_rows = [i for i, s in enumerate(seqs) if not s.params.greedy]

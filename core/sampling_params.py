@@ -29,6 +29,8 @@ class SamplingParams:
     logprobs: int | None = None  # None: off; k: the sampled token's logprob plus the top k
     skip_special_tokens: bool = True
     structured: StructuredSpec | None = None  # grammar the output must follow (JSON schema, regex, tool calls, ...)
+    thinking_budget: int | None = None  # reasoning tokens before the end of thinking is forced (thinking_budget.py)
+    thinking_end: str | None = None  # the marker forced then; None: the model's reasoning parser's end tag
     extra: dict = field(default_factory=dict)  # front-end specific fields, ignored by the engine
 
     def __post_init__(self) -> None:
@@ -68,6 +70,8 @@ class SamplingParams:
             bad(f"max_tokens must be at least 1, got {self.max_tokens}")
         if self.min_tokens < 0:
             bad(f"min_tokens must be non-negative, got {self.min_tokens}")
+        if self.thinking_budget is not None and (not isinstance(self.thinking_budget, int) or self.thinking_budget < 0):
+            bad(f"thinking_budget must be a non-negative integer, got {self.thinking_budget!r}")
         if self.logprobs is not None and self.logprobs < 0:  # the server caps it (--max-logprobs)
             bad(f"logprobs must be 0 or more, got {self.logprobs}")
         if self.structured is not None and self.min_tokens > 0:

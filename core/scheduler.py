@@ -2,10 +2,12 @@
 
 One token budget per step is shared by decodes (1 token each) and prefill chunks. Running
 sequences go first, oldest first; waiting ones are admitted while the budget, the sequence cap
-and the cache coordinator allow. When memory runs out, the newest running sequence is preempted
-by recompute: everything it holds is freed and it waits at the front of the queue. A prefill
-chunk ends early at the deepest position in ``seq.chunk_stops`` (block-aligned checkpoints) it
-reaches, where the step snapshots the recurrent state when the snapshot budget allows.
+and the cache coordinator allow. The scheduling policy (``scheduling_policy.py``: fcfs, slai)
+sets the step's budget, what of it prefill chunks may take, and the order of admission. When
+memory runs out, the newest running sequence is preempted by recompute: everything it holds is
+freed and it waits at the front of the queue. A prefill chunk ends early at the deepest position
+in ``seq.chunk_stops`` (block-aligned checkpoints) it reaches, where the step snapshots the
+recurrent state when the snapshot budget allows.
 
 ``schedule()`` returns a ``StepPlan``; after the worker ran it, ``update_from_output(plan,
 output)`` advances ``num_computed_tokens``, trims what was not accepted, returns blocks that
@@ -19,6 +21,7 @@ from collections.abc import Callable
 import torch
 
 from armillary.memory.coordinator import CacheCoordinator
+from armillary.scheduling_policy import SchedulingPolicy, StepBudget
 from armillary.sequence import Sequence, SequenceStatus
 from armillary.step_plan import ScheduledChunk, StepOutput, StepPlan
 
@@ -33,7 +36,8 @@ def _length_only(seq: Sequence, token: int) -> str | None:
 class Scheduler:
     def __init__(self, max_num_seqs: int, max_num_batched_tokens: int, cache: CacheCoordinator,
                  check_token: TokenCheck = _length_only, num_drafts: int = 0,
-                 spec_row: Callable[[int, int], int] | None = None) -> None:
+                 spec_row: Callable[[int, int], int] | None = None, policy: SchedulingPolicy | None = None) -> None:
+        self.policy = policy or SchedulingPolicy()  # admission order and step budget (fcfs unless given)
         self.num_drafts = num_drafts  # speculation: drafts verified per decode step (0: off)
         self.spec_row = spec_row  # (slot, position i) -> the row holding the state after verified position i
         self.max_num_seqs = max_num_seqs
@@ -54,15 +58,24 @@ class Scheduler:
 
     def schedule(self) -> StepPlan:
         """Pick this step's chunks; each sequence gets the cache it needs for them (or is preempted)."""
-        budget = self.max_num_batched_tokens
+        verify = self._is_verify_step()
+        limit = self.max_num_batched_tokens
+        room = max(0, self.max_num_seqs - len(self.running))  # sequences that may be admitted
+        # verify steps are all decodes of K + 1 positions: the whole budget, no admissions
+        step = StepBudget(limit, limit) if verify else self.policy.budget(self.running, self.waiting, limit, room)
+        budget, prefill = step.tokens, step.prefill
         chunks: list[ScheduledChunk] = []
         snapshots: list[tuple[int, int]] = []
-        verify = self._is_verify_step()
         preempted = False
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            n = self.num_drafts + 1 if verify else self._chunk_len(seq, budget)
+            prefilling = not verify and seq.num_unscheduled_tokens > 1
+            cap = min(budget, prefill - step.reserved) if prefilling else budget
+            if cap <= 0:
+                i += 1
+                continue  # the policy keeps this step's prefill tokens for others
+            n = self.num_drafts + 1 if verify else self._chunk_len(seq, cap)
             while not self.cache.allocate(seq, seq.num_scheduled_tokens + n):
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -73,21 +86,26 @@ class Scheduler:
                 break
             chunks.append(self._verify_chunk(seq) if verify else self._chunk(seq, n, snapshots))
             budget -= n
+            prefill -= n if prefilling else 0
             i += 1
-        while self.waiting and budget > 0 and not preempted and not verify and len(self.running) < self.max_num_seqs:
-            seq = self.waiting[0]
+        for seq in [] if preempted or verify else self.policy.admission_order(self.waiting, room):
+            if budget <= 0 or len(self.running) >= self.max_num_seqs:
+                break
             if self._sibling_prefilling(seq):
                 break  # n > 1: the request's first sequence computes the prompt, the others then hit it
             self.cache.match_prefix(seq)  # resumes at the deepest cached prefix (prefix caching)
-            n = self._chunk_len(seq, budget)
-            if not self.cache.allocate(seq, seq.num_scheduled_tokens + n):
+            prefilling = seq.num_unscheduled_tokens > 1
+            cap = min(budget, prefill) if prefilling else budget
+            n = self._chunk_len(seq, cap) if cap > 0 else 0
+            if not n or not self.cache.allocate(seq, seq.num_scheduled_tokens + n):
                 self.cache.unmatch(seq)
                 break
-            self.waiting.popleft()
+            self.waiting.remove(seq)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             chunks.append(self._chunk(seq, n, snapshots))
             budget -= n
+            prefill -= n if prefilling else 0
         copies = []
         for chunk in chunks:  # states a partly accepted verify step left outside their slot
             if chunk.seq.pending_state_row is not None:

@@ -50,6 +50,7 @@ class Sequence:
         # next step copies it into the slot (``state_row`` is where it is now)
         self.pending_state_row: int | None = None
         self.eos_token_ids = eos_token_ids
+        self.thinking = None  # a ThinkingBudget (thinking_budget.py) when the request limits its reasoning
         self.arrival = arrival
         self.max_tokens = max_tokens if max_tokens is not None else params.max_tokens  # output cap
         self.finish_reason: str | None = None  # "stop" | "length" | "abort"
@@ -97,7 +98,9 @@ class Sequence:
         stop tokens still masked by ``min_tokens`` (async continuation and draft acceptance must wait)."""
         p = self.params
         return bool(p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0
-                    or self.num_output_tokens < p.min_tokens)
+                    or self.num_output_tokens < p.min_tokens
+                    or (self.thinking is not None
+                        and self.thinking.reads_history(self.token_ids, self.num_prompt_tokens)))
 
     @property
     def is_finished(self) -> bool:

@@ -3,16 +3,14 @@ from __future__ import annotations
 
 import json
 import logging
-import sys
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 from torch import nn
-from tqdm import tqdm
 
 from armillary.errors import WeightLoadError
+from armillary.safetensors_stream import stream_safetensors
 
 logger = logging.getLogger(__name__)
 
@@ -49,19 +47,11 @@ def safetensors_shards(path: Path) -> list[Path]:
     return shards
 
 
-def iter_safetensors(path: Path, progress: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield ``(checkpoint name, CPU tensor)`` over all shards, one memory-mapped shard at a time.
-
-    The progress bar counts shards and is shown only on a terminal.
-    """
-    shards = safetensors_shards(path)
-    show = progress and sys.stderr.isatty()
-    with tqdm(total=len(shards), desc="Loading safetensors", unit="shard", disable=not show) as bar:
-        for shard in shards:
-            with safe_open(shard, framework="pt", device="cpu") as f:
-                for name in f.keys():
-                    yield name, f.get_tensor(name)
-            bar.update(1)
+def iter_safetensors(path: Path, progress: bool = True,
+                     device: torch.device | str = "cpu") -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``(checkpoint name, tensor on device)`` over all shards, read ahead by reader threads
+    (``armillary.safetensors_stream``); progress is a bar on a terminal, else a log line per shard."""
+    return stream_safetensors(safetensors_shards(path), device, progress=progress)
 
 
 def load_model_weights(model: nn.Module, path: Path, progress: bool = True) -> None:

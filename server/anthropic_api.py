@@ -28,6 +28,7 @@ from armillary.server.protocol_anthropic import CountTokensRequest, MessagesRequ
 from armillary.server.sampling import RequestedStructure, build_sampling_params, compile_structure
 from armillary.server.state import ServerState, engine_error, new_id, parse_body, read_json
 from armillary.server.streaming import EventStreamResponse, OutputDeltas, sse_event, until_disconnect
+from armillary.server.thinking import ReplyThinking, reply_thinking
 from armillary.structured.spec import StructuredSpec
 
 
@@ -46,9 +47,10 @@ def _requested_structure(body: CountTokensRequest) -> RequestedStructure | None:
         raise bad_request(str(exc), param=f"{param}.schema") from exc
 
 
-async def _render(state: ServerState, body: CountTokensRequest,
-                  max_model_len: int | None) -> tuple[RenderedPrompt, list[dict] | None, ToolChoice]:
-    """The prompt for a Messages body, its tools in OpenAI form, and what its tool_choice means.
+async def _render(state: ServerState, body: CountTokensRequest, max_model_len: int | None
+                  ) -> tuple[RenderedPrompt, list[dict] | None, ToolChoice, ReplyThinking]:
+    """The prompt for a Messages body, its tools in OpenAI form, what its tool_choice means, and its
+    thinking (``thinking.budget_tokens`` or the effort; the mode's sampling defaults).
 
     ``max_model_len``: refuse a prompt that does not fit (None: count only)."""
     tools = anthropic_tools(body.tools)
@@ -64,7 +66,10 @@ async def _render(state: ServerState, body: CountTokensRequest,
     # rendering and tokenizing a long conversation takes a while: never on the event loop
     prompt = await run_in_threadpool(render_chat, state.tokenizer, messages, tools if choice.parse_tools else None,
                                      kwargs, True, max_model_len)
-    return prompt, tools, choice
+    budget = body.thinking.budget_tokens if body.thinking is not None and enable_thinking else None
+    thinking = reply_thinking(state, prompt.text, tools if choice.parse_tools else None, kwargs,
+                              output.effort if output is not None else None, budget)
+    return prompt, tools, choice, thinking
 
 
 def build_router(state: ServerState) -> APIRouter:
@@ -75,7 +80,7 @@ def build_router(state: ServerState) -> APIRouter:
         body = parse_body(CountTokensRequest, await read_json(request, state.max_body_bytes))
         state.model_name(body.model)
         state.require_ready()
-        prompt, _, _ = await _render(state, body, None)
+        prompt, _, _, _ = await _render(state, body, None)
         return JSONResponse({"input_tokens": len(prompt.token_ids)})
 
     @router.post("/v1/messages")
@@ -84,17 +89,18 @@ def build_router(state: ServerState) -> APIRouter:
         model = state.model_name(body.model)
         state.require_ready()
         state.limits.check_messages(body)
-        prompt, tools, choice = await _render(state, body, state.max_model_len)
+        prompt, tools, choice, thinking = await _render(state, body, state.max_model_len)
         # the tool parser and grammar of the reply: forced or strict tool calls, or a JSON output format
         plan = state.parsers.plan(prompt.text, tools, choice, _requested_structure(body),
                                   state.enable_auto_tool_choice)
         structure = plan.structure
         await compile_structure(state.engine.engine, structure)
         stop_sequences = list(body.stop_sequences or [])
-        params = build_sampling_params(state.generation_defaults, state.parsers.keep_special_tokens,
+        params = build_sampling_params(thinking.sampling_defaults, state.parsers.keep_special_tokens,
                                        max_tokens=body.max_tokens, temperature=body.temperature, top_p=body.top_p,
                                        top_k=body.top_k, stop=stop_sequences,
-                                       structured=structure[0] if structure is not None else None)
+                                       structured=structure[0] if structure is not None else None,
+                                       **thinking.fields())
         pipeline = state.parsers.pipeline(prompt.text, tools, plan)
         message_id = new_id("msg_")
         stream = await state.submit(message_id, prompt.token_ids, params)

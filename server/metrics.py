@@ -67,6 +67,9 @@ class _EngineCollector(Collector):
                     s.get("state_snapshots_used", 0))
         yield gauge("state_slots_held", "Ended sequences' recurrent states not yet copied out",
                     s.get("state_slots_held", 0))
+        if s.get("startup_seconds") is not None:
+            yield gauge("startup_seconds", "Seconds the engine took to start (weights, caches, graphs, warm-up)",
+                        s["startup_seconds"])
         if "num_preemptions" in s:
             yield gauge("num_preemptions", "Sequences preempted so far", s["num_preemptions"])
         if "spec_acceptance_rate" in s:  # speculation on

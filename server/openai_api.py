@@ -24,6 +24,7 @@ from armillary.server.prompts import (
     template_kwargs,
 )
 from armillary.server.protocol_openai import ChatCompletionRequest, CompletionRequest, SamplingFields
+from armillary.server.responses_input import thinking_kwargs
 from armillary.server.async_engine import RequestStream
 from armillary.server.sampling import (
     RequestedStructure,
@@ -42,6 +43,7 @@ from armillary.server.streaming import (
     sse_data,
     until_disconnect,
 )
+from armillary.server.thinking import ReplyThinking, reply_thinking
 
 CLIENT_CLOSED = 499  # nginx's status for a request the client abandoned; nobody reads the reply
 
@@ -55,9 +57,11 @@ def _common_checks(body: SamplingFields) -> None:
 
 
 def _sampling(state: ServerState, body: SamplingFields, max_tokens: int | None, logprobs: int | None,
-              structure: RequestedStructure | None):
+              structure: RequestedStructure | None, thinking: ReplyThinking | None = None):
+    """``thinking``: a chat reply's mode defaults and budget (None: a completion, generation_config.json only)."""
     return build_sampling_params(
-        state.generation_defaults, state.parsers.keep_special_tokens,
+        thinking.sampling_defaults if thinking is not None else state.generation_defaults,
+        state.parsers.keep_special_tokens, **(thinking.fields() if thinking is not None else {}),
         n=body.n, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, min_p=body.min_p,
         presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
         repetition_penalty=body.repetition_penalty, seed=body.seed, stop=body.stop,
@@ -131,8 +135,9 @@ def build_router(state: ServerState) -> APIRouter:
         tools = openai_tools(body.tools)
         choice = openai_tool_choice(body.tool_choice, tools, body.parallel_tool_calls)
         requested = requested_structure(body)
+        # reasoning_effort "none" turns thinking off (as the Responses API's); others reach the template too
         kwargs = template_kwargs(state.default_template_kwargs, body.chat_template_kwargs,
-                                 reasoning_effort=body.reasoning_effort)
+                                 **thinking_kwargs(body.reasoning_effort))
         messages = openai_messages(body.messages)
         # rendering and tokenizing a long conversation takes a while: never on the event loop
         prompt = await run_in_threadpool(render_chat, state.tokenizer, messages,
@@ -144,7 +149,9 @@ def build_router(state: ServerState) -> APIRouter:
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         plan = state.parsers.plan(prompt.text, tools, choice, requested, state.enable_auto_tool_choice)
         await compile_structure(state.engine.engine, plan.structure)
-        params = _sampling(state, body, max_tokens, logprobs, plan.structure)
+        thinking = reply_thinking(state, prompt.text, tools if choice.parse_tools else None, kwargs,
+                                  body.reasoning_effort)
+        params = _sampling(state, body, max_tokens, logprobs, plan.structure, thinking)
         pipelines = [state.parsers.pipeline(prompt.text, tools, plan) for _ in range(body.n)]
         request_id = new_id("chatcmpl-")
         head = render.ResponseHeader(request_id, int(time.time()), model)

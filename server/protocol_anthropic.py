@@ -77,7 +77,7 @@ class ToolChoice(_Lenient):
 
 class ThinkingConfig(_Lenient):
     type: Literal["enabled", "disabled", "adaptive", "between_tools"]
-    budget_tokens: int | None = Field(default=None, ge=1)  # accepted, not enforced
+    budget_tokens: int | None = Field(default=None, ge=1)  # the thinking budget (server/thinking.py)
 
 
 class OutputFormat(_Lenient):

@@ -30,6 +30,7 @@ from armillary.server.responses_store import ResponseStore
 from armillary.server.sampling import build_sampling_params, compile_structure, output_budget
 from armillary.server.state import ServerState, engine_error, new_id, parse_body, read_json
 from armillary.server.streaming import EventStreamResponse, OutputDeltas, sse_event, until_disconnect
+from armillary.server.thinking import reply_thinking
 
 CANCELLED = "cancelled"  # the error code a cancelled response's stream reads, and the response's status
 
@@ -96,11 +97,12 @@ def build_router(state: ServerState) -> APIRouter:
         await compile_structure(state.engine.engine, plan.structure)
         max_tokens = output_budget(body.max_output_tokens, state.generation_defaults, state.max_model_len,
                                    len(prompt.token_ids))
+        thinking = reply_thinking(state, prompt.text, tools if choice.parse_tools else None, kwargs, effort)
         params = build_sampling_params(
-            state.generation_defaults, state.parsers.keep_special_tokens, max_tokens=max_tokens,
+            thinking.sampling_defaults, state.parsers.keep_special_tokens, max_tokens=max_tokens,
             temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, min_p=body.min_p, seed=body.seed,
             repetition_penalty=body.repetition_penalty, ignore_eos=body.ignore_eos,
-            structured=plan.structure[0] if plan.structure is not None else None)
+            structured=plan.structure[0] if plan.structure is not None else None, **thinking.fields())
         response_id = new_id("resp_")
         turn = _Turn(render.ResponseHead(response_id, int(time.time()), model, _echo(body)), history,
                      state.parsers.pipeline(prompt.text, tools, plan), body.store, len(prompt.token_ids))

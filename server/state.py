@@ -24,6 +24,7 @@ from armillary.server.limits import RequestLimits
 from armillary.server.metrics import ServerMetrics
 from armillary.server.parsing import ParserSetup
 from armillary.server.responses_store import ResponseStore
+from armillary.server.thinking import mode_defaults
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -43,6 +44,7 @@ class ServerState:
     enable_auto_tool_choice: bool = False  # --enable-auto-tool-choice (vLLM's flag)
     limits: RequestLimits = field(default_factory=RequestLimits)  # --max-n, --max-tools, --request-timeout, ...
     responses: ResponseStore = field(default_factory=ResponseStore)  # the Responses API's stored responses
+    max_thinking_budget: int | None = None  # --max-thinking-budget: the most reasoning tokens of any reply
     created: int = field(default_factory=lambda: int(time.time()))
 
     @property
@@ -56,6 +58,16 @@ class ServerState:
     @property
     def generation_defaults(self) -> dict[str, Any]:
         return dict(getattr(self.engine.engine, "generation_defaults", None) or {})
+
+    def sampling_defaults(self, thinking: bool, tools: bool) -> dict[str, Any]:
+        """Defaults of unset sampling knobs: generation_config.json, under ``--generation-config auto`` overlaid
+        by the mode defaults the model's plugin declares (thinking on / off, with tools)."""
+        defaults = self.generation_defaults
+        engine = self.engine.engine
+        if getattr(getattr(engine, "config", None), "generation_config", "auto") == "auto":
+            modes = getattr(getattr(engine, "arch", None), "sampling_defaults", None) or {}
+            defaults.update(mode_defaults(modes, thinking, tools))
+        return defaults
 
     def model_name(self, requested: str | None) -> str:
         """The name to answer with; an unknown name is a 404."""

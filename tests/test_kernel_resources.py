@@ -24,8 +24,8 @@ _ALL = {
     "_qk_norm_rope_store_kernel",
     "_route_kernel", "_count_and_rank_kernel", "_scatter_kernel", "_grouped_gemm_kernel", "moe_decode_up_kernel",
     "moe_decode_down_kernel", "_sum_topk_kernel", "moe_gemv_up_kernel", "moe_gemv_down_kernel", "_causal_conv1d_varlen_kernel", "l2norm_qk_kernel",
-    "chunk_intra_kernel", "chunk_state_kernel", "chunk_output_kernel", "_gdn_decode_kernel",
-    "_skinny_gemm_kernel",
+    "chunk_intra_kernel", "chunk_state_kernel", "chunk_output_kernel", "_gdn_decode_kernel", "_gdn_verify_kernel",
+    "_gates_kernel", "_skinny_gemm_kernel",
 }  # fmt: skip
 # the tiny models' 256-token contexts never split the key range, so no combine launch
 EXPECTED_KERNELS = {"tiny-fp32": _ALL - {"_combine_splits_kernel"}, "real-bf16": _ALL}

@@ -325,7 +325,7 @@ def int8_registry() -> PluginRegistry:
 
 
 def test_quantization_registry_records_and_resolution(int8_registry):
-    assert int8_registry.infos["core"].quantizations == ["compressed-tensors", "fp8", "unquantized"]
+    assert int8_registry.infos["core"].quantizations == ["compressed-tensors", "fp8", "modelopt", "unquantized"]
     assert int8_registry.infos["int8_test_plugin"].quantizations == [int8_weight_only.NAME]
     with pytest.raises(PluginError, match="duplicate quantization"):
         int8_registry.quantizations.register("unquantized", "x:Y")
@@ -333,7 +333,7 @@ def test_quantization_registry_records_and_resolution(int8_registry):
     nested = HFConfig({"text_config": {"quantization_config": {"quant_method": int8_weight_only.NAME}}})
     assert isinstance(resolve_quant_config(nested, int8_registry.quantizations), int8_weight_only.Int8WeightOnlyConfig)
     with pytest.raises(PluginError, match=r"'nvfp4'.*registered quantizations: compressed-tensors, fp8, "
-                                          r"int8_weight_only_test, unquantized"):
+                                          r"int8_weight_only_test, modelopt, unquantized"):
         resolve_quant_config({"quantization_config": {"quant_method": "nvfp4"}}, int8_registry)
 
 

@@ -76,6 +76,26 @@ def test_duplicates_are_errors_naming_both_plugins(kind):
     assert "second" in str(err.value)
 
 
+def test_same_reasoning_parser_name_from_two_plugins_is_an_error_and_the_first_stays():
+    """Two plugins naming a reasoning parser alike (gemma4 in two plugins): no silent override either way."""
+    reg = PluginRegistry()
+    reg.register(make_plugin("gemma", parsers=[("gemma4", "reasoning")]), "gemma")
+    with pytest.raises(PluginError) as err:
+        reg.register(make_plugin("gemma_fork", parsers=[("gemma4", "reasoning")]), "gemma_fork")
+    message = str(err.value)
+    assert "duplicate parser 'gemma4'" in message and "'gemma'" in message and "'gemma_fork'" in message
+    assert "ARMILLARY_DISABLE_PLUGINS" in message
+    assert reg.parsers.get("gemma4").plugin == "gemma" and reg.parsers.get("gemma4").parser_cls == "gemma:Parser"
+
+
+def test_a_plugin_re_registering_a_core_parser_name_is_an_error():
+    """qwen3_coder is core's: a plugin that registers it again (an old qwen_gdn_moe) clashes with core."""
+    reg = PluginRegistry()
+    with pytest.raises(PluginError, match="registered by plugin 'core' and by 'old_qwen'"):
+        reg.register(make_plugin("old_qwen", parsers=[("qwen3_coder", "tool")]), "old_qwen")
+    assert reg.parsers.get("qwen3_coder").plugin == "core"
+
+
 def test_unknown_architecture_lists_what_is_installed():
     reg = PluginRegistry()
     reg.register(make_plugin("p1", archs=[("m1", ["M1ForCausalLM"])]), "p1")

@@ -18,7 +18,7 @@ from armillary.parsers.base import ParserPipeline
 from armillary.server.anthropic_render import content_blocks
 from armillary.server.openai_render import chat_message
 from armillary.structured.spec import StructuredSpec, ToolCallConstraint
-from armillary_qwen_gdn_moe.parsers.qwen3_coder import Qwen3CoderToolParser
+from armillary.parsers.qwen3_coder import Qwen3CoderToolParser
 from armillary_qwen_gdn_moe.parsers.reasoning import Qwen3ReasoningParser
 from plugins.qwen_gdn_moe.tests.harness import qwen_registry
 from tests.fixtures.tiny_models import save_tiny_model

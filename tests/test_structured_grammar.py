@@ -21,8 +21,8 @@ from armillary.sequence import Sequence
 from armillary.structured.outputs import StructuredOutputs
 from armillary.structured.spec import StructuredSpec, ToolCallConstraint
 from armillary.tokenizer import Tokenizer
-from armillary_qwen_gdn_moe.parsers.qwen3_coder import Qwen3CoderToolParser
-from armillary_qwen_gdn_moe.parsers.qwen3_coder_grammar import (
+from armillary.parsers.qwen3_coder import Qwen3CoderToolParser
+from armillary.parsers.qwen3_coder_grammar import (
     PARAMETER_END,
     _bounded_text_ebnf,
     _unbounded_text_ebnf,

@@ -126,6 +126,28 @@ class Fp8FusedMoE(Protocol):
         [E, ceil(2I / bn), ceil(H / bk)], s2 [E, ceil(H / bn), ceil(I / bk)] -> [T, H]."""
 
 
+class Fp4Linear(Protocol):
+    def __call__(self, x: torch.Tensor, w_packed: torch.Tensor, w_scale: torch.Tensor, global_scale: torch.Tensor,
+                 bias: torch.Tensor | None) -> torch.Tensor:
+        """``x @ W.T + bias`` for an NVFP4 weight W [N, K] (weight-only: x stays in its dtype).
+
+        x [M, K] bf16 / fp16 / fp32 (K a multiple of 16); ``w_packed`` uint8 [N, K / 2], two e2m1 codes
+        per byte: column 2j in the low nibble, 2j + 1 in the high one; a code is sign bit 3, magnitude
+        bits 0-2 into (0, 0.5, 1, 1.5, 2, 3, 4, 6). ``w_scale`` float8_e4m3fn [N, K / 16] (one per row and
+        16 columns); ``global_scale`` fp32 [N] (one per output row). W[n, k] = e2m1 · w_scale[n, k // 16]
+        · global_scale[n]. bias [N] or None -> [M, N] in x's dtype (``armillary.kernels.fp4.linear``)."""
+
+
+class Fp4FusedMoE(Protocol):
+    def __call__(self, x: torch.Tensor, w13: torch.Tensor, s13: torch.Tensor, g13: torch.Tensor, w2: torch.Tensor,
+                 s2: torch.Tensor, g2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                 activation: str) -> torch.Tensor:
+        """``FusedMoE`` over NVFP4 experts, each packed as ``Fp4Linear``'s weight: w13 uint8 [E, 2I or I, H / 2]
+        (rows [gate | up]), s13 e4m3 [E, 2I or I, H / 16], g13 fp32 [E, 2I or I]; w2 uint8 [E, H, I / 2], s2
+        [E, H, I / 16], g2 fp32 [E, H]; x [T, H], topk_* [T, k] -> [T, H] in x's dtype
+        (``armillary.kernels.fp4.fused_moe``)."""
+
+
 class CausalConv1d(Protocol):
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                  conv_states: torch.Tensor, state_slots: torch.Tensor, batch: ForwardBatch,
@@ -151,6 +173,8 @@ INTERFACES: dict[str, type] = {
     "causal_conv1d": CausalConv1d,
     "fp8_linear": Fp8Linear,
     "fp8_fused_moe": Fp8FusedMoE,
+    "fp4_linear": Fp4Linear,
+    "fp4_fused_moe": Fp4FusedMoE,
 }
 DECLINES = frozenset({"fresh_prefill_attention"})
 

@@ -191,3 +191,17 @@ def fp8_fused_moe(x: torch.Tensor, w13: torch.Tensor, s13: torch.Tensor, w2: tor
                   activation: str = "silu") -> torch.Tensor:
     """Routed fp8 experts (``fused_moe`` with block-scaled weights): x [T, H] -> [T, H]."""
     return _calls(x)["fp8_fused_moe"](x, w13, s13, w2, s2, block_n, block_k, topk_weights, topk_ids, activation)
+
+
+def fp4_linear(x: torch.Tensor, w_packed: torch.Tensor, w_scale: torch.Tensor, global_scale: torch.Tensor,
+               bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ W.T + bias`` for an NVFP4 weight (packed e2m1 [N, K/2], e4m3 group scales [N, K/16], fp32
+    global scale per row [N]; ``interfaces.Fp4Linear``); weight-only, x [M, K] -> [M, N] in x's dtype."""
+    return _calls(x)["fp4_linear"](x, w_packed, w_scale, global_scale, bias)
+
+
+def fp4_fused_moe(x: torch.Tensor, w13: torch.Tensor, s13: torch.Tensor, g13: torch.Tensor, w2: torch.Tensor,
+                  s2: torch.Tensor, g2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                  activation: str = "silu") -> torch.Tensor:
+    """Routed NVFP4 experts (``fused_moe`` with ``fp4_linear``'s weight layout per expert): x [T, H] -> [T, H]."""
+    return _calls(x)["fp4_fused_moe"](x, w13, s13, g13, w2, s2, g2, topk_weights, topk_ids, activation)

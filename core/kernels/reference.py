@@ -1,7 +1,8 @@
 """The plain-torch reference of each kernel interface, in the interface's signature (oracle and CPU path).
 
-Where a reference in attention / norm / moe / rotary / conv1d already has the interface's
-signature it is registered directly; these adapt the others. The attention references read the
+Where a reference in attention / norm / moe / rotary / conv1d / fp8 / fp4 already has the
+interface's signature it is registered directly (``core_plugin._REFERENCES``: e.g. ``fp4_linear``
+-> ``armillary.kernels.fp4.linear``); these adapt the others. The attention references read the
 batch's host lists, which a CUDA-graph batch does not carry: inside a capture they fail loudly.
 """
 from __future__ import annotations

@@ -100,9 +100,35 @@ def load_table(package: str, target: str) -> dict:
     return json.loads(text)
 
 
+_CONFIGS: dict[tuple, dict] = {}  # kernel_config's answers: a prefill asks ~400 times, for a few distinct keys
+_CONFIGS_KEPT = 4096
+
+
 def kernel_config(package: str, kernel: str, key: str, defaults: dict, device: torch.device | None = None) -> dict:
     """``defaults`` overlaid with each table's entry for ``kernel`` ("default", then ``key``), lowest table
-    first: ``package``'s, then the overlay packages'; within a package the capability's, then the GPU's."""
+    first: ``package``'s, then the overlay packages'; within a package the capability's, then the GPU's.
+
+    Answers are remembered per explicit device and overlay (and per the lookup functions in use, so a
+    test that swaps one sees a fresh answer); each call gets its own copy."""
+    memo = None
+    if device is not None:
+        try:
+            memo = (package, kernel, key, tuple(defaults.items()), device, _overlay, load_table, device_targets,
+                    device_target, gpu_name)
+            hit = _CONFIGS.get(memo)
+        except TypeError:  # an unhashable default: no memo
+            memo, hit = None, None
+        if hit is not None:
+            return {k: dict(v) if isinstance(v, dict) else v for k, v in hit.items()}
+    cfg = _kernel_config(package, kernel, key, defaults, device)
+    if memo is not None:
+        if len(_CONFIGS) >= _CONFIGS_KEPT:
+            _CONFIGS.clear()
+        _CONFIGS[memo] = {k: dict(v) if isinstance(v, dict) else v for k, v in cfg.items()}
+    return cfg
+
+
+def _kernel_config(package: str, kernel: str, key: str, defaults: dict, device: torch.device | None) -> dict:
     cfg = dict(defaults)
     targets = device_targets(device)
     for pkg in _packages(package):

@@ -87,6 +87,14 @@ class CheckpointLoader:
         if unknown:
             raise WeightLoadError(f"checkpoint tensors the model does not know: {unknown}")
         return loader.loaded()  # the engine raises on any parameter not completely written
+
+    Quantized checkpoints store tensors beside a weight (``q_proj.weight_scale``,
+    ``q_proj.weight_scale_2``, ``q_proj.weight_packed``) that a module's ``checkpoint_pieces`` may
+    only map for ``weight``: such a tensor goes where its module's weight goes. One with rows (a
+    group scale, a packed weight) is mapped as if it were the weight, the parameter renamed from
+    ``<target>.weight`` to ``<target>.<attr>``; a per-tensor value (one element) goes to
+    ``<target>.<attr>`` of every piece its module's weight was mapped to (a fused checkpoint
+    tensor's scale to each of its slots), waiting for that weight if it comes later.
     """
 
     def __init__(self, model: nn.Module) -> None:
@@ -94,6 +102,8 @@ class CheckpointLoader:
         self.params = dict(model.named_parameters())
         self.mappers = {n: m for n, m in model.named_modules() if hasattr(m, "checkpoint_pieces")}
         self.rows = LoadedRows()
+        self.routes: dict[str, list[tuple[str, dict[str, Any]]]] = {}  # checkpoint module -> where its weight went
+        self.pending: dict[str, list[tuple[str, torch.Tensor, str]]] = {}  # per-tensor values awaiting their weight
 
     def pieces(self, name: str, tensor: torch.Tensor) -> list[Piece] | None:
         """Where ``name`` goes: (parameter name, values, loader kwargs) per piece; None if nowhere."""
@@ -113,6 +123,10 @@ class CheckpointLoader:
         ``source``: the checkpoint's own name, for error messages (default ``name``).
         """
         pieces = self.pieces(name, tensor)
+        if pieces is None:
+            pieces = self._beside_weight(name, tensor, source or name)
+            if pieces == []:
+                return []  # a per-tensor value waiting for its module's weight
         if pieces is None or any(p not in self.params for p, _, _ in pieces):
             return None
         written = []
@@ -124,10 +138,52 @@ class CheckpointLoader:
                 raise WeightLoadError(f"checkpoint tensor {source or name} -> {param_name}: {exc}") from None
             self.rows.mark(param_name, param, index)
             written.append((param_name, index))
+        self._route(name, pieces)
         return written
 
+    def _route(self, name: str, pieces: list[Piece]) -> None:
+        """After a mapped checkpoint weight is written: remember where it went (``_set_routes``)."""
+        module, _, attr = name.rpartition(".")
+        direct = len(pieces) == 1 and pieces[0][0] == name and not pieces[0][2]
+        if attr == "weight" and not direct and module not in self.routes:
+            self._set_routes(module, pieces)
+
+    def _set_routes(self, module: str, pieces: list[Piece]) -> None:
+        """Where checkpoint module ``module``'s weight goes (its pieces, as weights); load what waited for it."""
+        if not all(p.endswith(".weight") for p, _, _ in pieces):
+            return
+        self.routes[module] = [(p[: -len(".weight")], kw) for p, _, kw in pieces]
+        for attr, tensor, source in self.pending.pop(module, []):
+            if self.load(f"{module}.{attr}", tensor, source) is None:
+                raise WeightLoadError(f"checkpoint tensor {source}: the model has no "
+                                      f"{', '.join(f'{t}.{attr}' for t, _ in self.routes[module])}")
+
+    def _beside_weight(self, name: str, tensor: torch.Tensor, source: str) -> list[Piece] | None:
+        """Pieces of a tensor stored beside a weight its module maps (see the class docstring); [] when it waits."""
+        module, _, attr = name.rpartition(".")
+        if not module or attr == "weight" or not self.mappers:
+            return None
+        if tensor.numel() == 1 and tensor.dim() <= 1:
+            routes = self.routes.get(module)
+            if routes is None:
+                self.pending.setdefault(module, []).append((attr, tensor, source))
+                return []
+            return [(f"{target}.{attr}", tensor, dict(kw)) for target, kw in routes]
+        mapped = self.pieces(f"{module}.weight", tensor)
+        if mapped is None or (len(mapped) == 1 and mapped[0][0] == f"{module}.weight" and not mapped[0][2]):
+            return None  # no module maps it: a parameter of that name would have been found directly
+        if not all(p.endswith(".weight") for p, _, _ in mapped):
+            return None
+        if module not in self.routes:
+            self._set_routes(module, mapped)
+        return [(p[: -len("weight")] + attr, values, kw) for p, values, kw in mapped]
+
     def loaded(self) -> set[str]:
-        """Parameters completely written so far."""
+        """Parameters completely written so far; per-tensor values whose weight never came are an error."""
+        if self.pending:
+            names = sorted(source for waiting in self.pending.values() for _, _, source in waiting)
+            raise WeightLoadError(f"checkpoint tensors {', '.join(names[:20])}: per-tensor values of modules whose "
+                                  "weight the model does not map")
         return self.rows.complete()
 
 

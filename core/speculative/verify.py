@@ -17,6 +17,7 @@ import torch
 
 from armillary.sampler import Sampler, _to_device, apply_penalties, mask_stop_tokens_before_min
 from armillary.sequence import Sequence
+from armillary.thinking_budget import force_thinking_end
 
 
 @dataclass(slots=True)
@@ -67,9 +68,10 @@ def verify_drafts(logits: torch.Tensor, seqs: list[Sequence], drafts: torch.Tens
     logits = logits.float()
     device, vocab = logits.device, logits.shape[1]
     rows = [seq for seq in seqs for _ in range(width)]
-    # penalties and min_tokens see the tokens before row 0 only: right for row 0, which is all
-    # such a sequence may use (max_accept 0)
+    # penalties, min_tokens and thinking budgets see the tokens before row 0 only: right for row 0,
+    # which is all such a sequence may use (max_accept 0)
     processed = mask_stop_tokens_before_min(apply_penalties(logits, rows), rows)  # [B(K+1), V]
+    processed = force_thinking_end(processed, rows)
     target = processed.argmax(dim=-1).view(num, width)  # greedy rows' picks
     tokens = target
     accept = target[:, :k] == drafts  # [B, K]

@@ -69,7 +69,10 @@ class ModelWorker(Worker):
         if self.config.load_format == "dummy":
             self._init_dummy_weights()
         else:
-            fill_parameters(self.model, self.source.iter_weights(), str(self.source.path))
+            fill_parameters(self.model, self.source.weights_on(self.device), str(self.source.path))
+            if self.device.type == "cuda":  # the loader's read buffers are no activation peak for the planner
+                torch.cuda.empty_cache()
+                torch.cuda.reset_peak_memory_stats(self.device)
         process_weights_after_loading(self.model)  # quant methods repack what they loaded, once
         self.model.eval()
         return self.model

@@ -208,7 +208,7 @@ def test_output_deltas_per_choice():
 @pytest.mark.parametrize("chunk", [1, 2, 5, 1000])
 def test_real_qwen_parsers_render_the_same_message_streamed_and_whole(chunk):
     """The plugin's qwen3 parsers through both renderers: any chunking gives the non-streaming message."""
-    from armillary_qwen_gdn_moe.parsers.qwen3_coder import Qwen3CoderToolParser
+    from armillary.parsers.qwen3_coder import Qwen3CoderToolParser
     from armillary_qwen_gdn_moe.parsers.reasoning import Qwen3ReasoningParser
 
     tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {

@@ -26,7 +26,8 @@ import triton.language as tl
 
 from armillary.kernels.triton.device_buffers import ticket_buffer
 from armillary.kernels.triton.pdl import launch_options, pdl_prologue
-from armillary.kernels.triton.skinny_gemm import _sm_count, _store_tile
+from armillary.kernels.triton.skinny_gemm import _sm_count
+from armillary.kernels.triton.split_k import split_k_epilogue
 
 DECODE_MAX_ROWS = 64  # up to this many rows stream W with unquantized activations
 FMA_BLOCK_K = 512  # fp8 bytes per weight row per tile: 16 per thread in 32-thread rows
@@ -141,27 +142,8 @@ def _fp8_skinny_kernel(
     if not K_SCALED:
         acc = acc * fp8_row_scales(s_ptr, rows, stride_sn, GROUP_N)[:, None]
 
-    if split_k == 1:
-        _store_tile(out_ptr, bias_ptr, acc, offs_n, offs_m, n_ok, m_ok, stride_om, HAS_BIAS)
-    else:
-        tile_ok = n_ok[:, None] & m_ok[None, :]
-        part_off = offs_m[None, :].to(tl.int64) * N + offs_n[:, None]  # [BN, BM] in one [M, N] slice
-        split_stride = M.to(tl.int64) * N
-        tl.store(part_ptr + pid_k * split_stride + part_off, acc, mask=tile_ok)
-        tl.debug_barrier()  # every thread's partial is written before the ticket releases them
-        ticket_at = ticket_ptr + pid_m * tl.num_programs(0) + pid_n
-        ticket = tl.atomic_add(ticket_at, 1, sem="acq_rel")
-        if ticket == split_k - 1:  # the last arriver sums the partials in split order (deterministic)
-            total = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-            for s in range(0, split_k):
-                if s == pid_k:
-                    part = acc
-                else:
-                    part = tl.load(part_ptr + s * split_stride + part_off, mask=tile_ok, other=0.0,
-                                   cache_modifier=".cg")
-                total += part
-            _store_tile(out_ptr, bias_ptr, total, offs_n, offs_m, n_ok, m_ok, stride_om, HAS_BIAS)
-            tl.store(ticket_at, 0)  # no other program of this call touches the ticket any more
+    split_k_epilogue(acc, out_ptr, bias_ptr, part_ptr, ticket_ptr, offs_n, offs_m, n_ok, m_ok, M, N, stride_om,
+                     pid_n, pid_m, pid_k, split_k, HAS_BIAS, BLOCK_N, BLOCK_M)
 
 
 def k_layout(k: int, block_k: int, width: int) -> tuple[int, int, bool]:

@@ -148,3 +148,25 @@ def fp8_fused_moe(x: torch.Tensor, w13: torch.Tensor, s13: torch.Tensor, w2: tor
     from armillary.kernels.triton import fp8_moe
 
     return fp8_moe.fp8_fused_moe(x, w13, s13, w2, s2, block_n, block_k, topk_weights, topk_ids, activation)
+
+
+def fp4_linear(x: torch.Tensor, w_packed: torch.Tensor, w_scale: torch.Tensor, global_scale: torch.Tensor,
+               bias: torch.Tensor | None) -> torch.Tensor:
+    from armillary.kernels.triton import fp4_gemm
+
+    return fp4_gemm.fp4_linear(x, w_packed, w_scale, global_scale, bias)
+
+
+def fp4_linear_blackwell(x: torch.Tensor, w_packed: torch.Tensor, w_scale: torch.Tensor, global_scale: torch.Tensor,
+                         bias: torch.Tensor | None) -> torch.Tensor:
+    from armillary.kernels.triton import fp4_blackwell
+
+    return fp4_blackwell.fp4_linear(x, w_packed, w_scale, global_scale, bias)
+
+
+def fp4_fused_moe(x: torch.Tensor, w13: torch.Tensor, s13: torch.Tensor, g13: torch.Tensor, w2: torch.Tensor,
+                  s2: torch.Tensor, g2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                  activation: str) -> torch.Tensor:
+    from armillary.kernels.triton import fp4_moe
+
+    return fp4_moe.fp4_fused_moe(x, w13, s13, g13, w2, s2, g2, topk_weights, topk_ids, activation)

@@ -24,6 +24,7 @@ import triton.language as tl
 from armillary.kernels import tuning
 from armillary.kernels.triton.device_buffers import ticket_buffer
 from armillary.kernels.triton.pdl import launch_options, pdl_prologue
+from armillary.kernels.triton.split_k import split_k_epilogue
 
 TUNING_PACKAGE = "armillary.kernels"
 KERNEL = "skinny_gemm"
@@ -35,15 +36,6 @@ DEFAULTS = {
     "split_k": 0, "target_waves": 2, "num_warps": 4, "num_stages": 1,
 }  # fmt: skip
 _MAX_SPLITS = 32
-
-
-@triton.jit
-def _store_tile(out_ptr, bias_ptr, acc, offs_n, offs_m, n_ok, m_ok, stride_om, HAS_BIAS: tl.constexpr):
-    """out[m, n] = acc[n, m] (+ bias[n]) in out's dtype; acc: [BLOCK_N, BLOCK_M] fp32."""
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[:, None]
-    ptrs = out_ptr + offs_m[None, :].to(tl.int64) * stride_om + offs_n[:, None]
-    tl.store(ptrs, acc.to(out_ptr.dtype.element_ty), mask=n_ok[:, None] & m_ok[None, :])
 
 
 @triton.jit
@@ -110,28 +102,8 @@ def _skinny_gemm_kernel(
             prod = w.to(tl.float32)[:, None, :] * x.to(tl.float32)[None, :, :]  # [BN, BM, BK]
             acc += tl.sum(prod, axis=2)
 
-    if split_k == 1:
-        _store_tile(out_ptr, bias_ptr, acc, offs_n, offs_m, n_ok, m_ok, stride_om, HAS_BIAS)
-    else:
-        tile_ok = n_ok[:, None] & m_ok[None, :]
-        part_off = offs_m[None, :].to(tl.int64) * N + offs_n[:, None]  # [BN, BM] in one [M, N] slice
-        split_stride = M.to(tl.int64) * N
-        tl.store(part_ptr + pid_k * split_stride + part_off, acc, mask=tile_ok)
-        tl.debug_barrier()  # every thread's partial is written before the ticket releases them
-        ticket_at = ticket_ptr + pid_m * tl.num_programs(0) + pid_n
-        ticket = tl.atomic_add(ticket_at, 1, sem="acq_rel")
-        if ticket == split_k - 1:
-            # the last arriver: all partials are visible; sum them in split order (deterministic)
-            total = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-            for s in range(0, split_k):
-                if s == pid_k:
-                    part = acc
-                else:
-                    part = tl.load(part_ptr + s * split_stride + part_off, mask=tile_ok, other=0.0,
-                                   cache_modifier=".cg")
-                total += part
-            _store_tile(out_ptr, bias_ptr, total, offs_n, offs_m, n_ok, m_ok, stride_om, HAS_BIAS)
-            tl.store(ticket_at, 0)  # no other program of this call touches the ticket any more
+    split_k_epilogue(acc, out_ptr, bias_ptr, part_ptr, ticket_ptr, offs_n, offs_m, n_ok, m_ok, M, N, stride_om,
+                     pid_n, pid_m, pid_k, split_k, HAS_BIAS, BLOCK_N, BLOCK_M)
 
 
 def skinny_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -5,6 +5,7 @@ walk a table of (sequence, chunk-within-sequence) pairs instead of cutting the p
 """
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -37,14 +38,34 @@ def device_offsets(cu_seqlens: torch.Tensor | Sequence[int], device: torch.devic
     return torch.as_tensor(cu_seqlens, dtype=torch.int32).to(device)
 
 
+_CHUNKS: OrderedDict[tuple, VarlenChunks] = OrderedDict()  # every layer of a step asks for the same tables
+_CHUNKS_KEPT = 64
+
+
 def varlen_chunks(bounds: Sequence[int], chunk_size: int, device: torch.device) -> VarlenChunks:
-    """The chunk table of sequences ``bounds[i]..bounds[i+1]`` cut into ``chunk_size`` tokens each."""
+    """The chunk table of sequences ``bounds[i]..bounds[i+1]`` cut into ``chunk_size`` tokens each.
+
+    Built once per distinct (bounds, chunk size, device) and kept (LRU, read-only tensors): a prefill's
+    layers all ask for the same table, and a pageable host-to-device copy per layer would stall the
+    stream each time. The copy goes through pinned memory, so it does not wait either."""
+    key = (tuple(int(b) for b in bounds), chunk_size, device)
+    hit = _CHUNKS.get(key)
+    if hit is not None:
+        _CHUNKS.move_to_end(key)
+        return hit
     table: list[int] = []
     first: list[int] = []
-    for seq in range(len(bounds) - 1):
+    for seq in range(len(key[0]) - 1):
         first.append(len(table) // 2)
-        for chunk in range(-(-(bounds[seq + 1] - bounds[seq]) // chunk_size)):
+        for chunk in range(-(-(key[0][seq + 1] - key[0][seq]) // chunk_size)):
             table += (seq, chunk)
-    table_t = torch.tensor(table, dtype=torch.int32).reshape(-1, 2).to(device)
-    first_t = torch.tensor(first, dtype=torch.int32).to(device)
-    return VarlenChunks(table_t, first_t, len(table) // 2)
+    host = torch.tensor(table + first, dtype=torch.int32)
+    if device.type == "cuda":
+        both = host.pin_memory().to(device, non_blocking=True)
+    else:
+        both = host.to(device)
+    chunks = VarlenChunks(both[:len(table)].view(-1, 2), both[len(table):], len(table) // 2)
+    _CHUNKS[key] = chunks
+    if len(_CHUNKS) > _CHUNKS_KEPT:
+        _CHUNKS.popitem(last=False)
+    return chunks

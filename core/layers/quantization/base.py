@@ -53,6 +53,19 @@ def register_weight(layer: nn.Module, name: str, data: torch.Tensor, *, output_d
     return param
 
 
+def per_tensor_scale_loader(base):
+    """Wrap a per-tensor fp32 scale's weight loader: a stored [] or [1] value is shaped to the parameter's
+    entry (a per-shard slot, or an expert's entry of an [E, 1] parameter) and read as fp32."""
+
+    def load(param: nn.Parameter, loaded: torch.Tensor, *args, **kwargs):
+        if loaded.numel() == 1:
+            expert_entry = param.dim() == 2 and kwargs.get("expert_id") is not None  # [E, 1]: one value per expert
+            loaded = loaded.reshape(1) if expert_entry else loaded.reshape(())
+        return base(param, loaded.float(), *args, **kwargs)
+
+    return load
+
+
 class QuantMethod(ABC):
     """How one linear layer stores its weight and computes ``y = x W^T + b``.
 

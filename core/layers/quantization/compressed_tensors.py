@@ -1,4 +1,4 @@
-"""``quant_method: compressed-tensors`` FP8 as llm-compressor / RedHatAI publish: per-channel (FP8_DYNAMIC) or block weights, dynamic activations.
+"""``quant_method: compressed-tensors`` as llm-compressor / RedHatAI publish: FP8 per-channel (FP8_DYNAMIC) or block weights with dynamic activations, and NVFP4 (``nvfp4-pack-quantized``).
 
 ``config_groups.<g> = {targets: ["Linear" | "re:<regex>"], weights: {num_bits: 8, type: float,
 strategy: channel | block, block_structure: [bn, bk]}, input_activations: {num_bits: 8, type:
@@ -6,6 +6,14 @@ float, dynamic: true, strategy: token | group}}``; ``ignore`` lists modules left
 ``X.weight`` float8_e4m3fn, ``X.weight_scale`` fp32 ``[out, 1]`` (channel) or ``[ceil(out / bn),
 ceil(in / bk)]`` (block). Activations are quantized per token and group of 128 at run time either
 way (at least as fine as the checkpoint asks).
+
+NVFP4 groups (``format: nvfp4-pack-quantized``, top level or per group; ``weights: {num_bits: 4,
+type: float, strategy: tensor_group, group_size: 16}``, ``input_activations`` the same or null for
+W4A16): ``X.weight_packed`` uint8 [out, in / 2] (low nibble first), ``X.weight_scale``
+float8_e4m3fn [out, in / 16], ``X.weight_global_scale`` fp32 [1] and ``X.input_global_scale``.
+Both global scales are stored as the *reciprocal* of the factor they stand for (llm-compressor's
+``448 · 6 / amax``; vLLM dequantizes with ``1 / weight_global_scale``), so
+w = e2m1 · weight_scale / weight_global_scale; see ``nvfp4_methods``.
 """
 from __future__ import annotations
 
@@ -18,16 +26,25 @@ from torch import nn
 from armillary.layers.quantization.base import FusedMoEMethod, QuantConfig, QuantMethod
 from armillary.layers.quantization.fp8 import skipped
 from armillary.layers.quantization.fp8_methods import Fp8LinearMethod, Fp8MoEMethod
+from armillary.layers.quantization.nvfp4_methods import (
+    COMPRESSED_TENSORS,
+    COMPRESSED_TENSORS_W4A16,
+    Nvfp4LinearMethod,
+    Nvfp4MoEMethod,
+    Nvfp4Names,
+)
 from armillary.layers.quantization.unquantized import UnquantizedFusedMoEMethod, UnquantizedLinearMethod
 
 
 @dataclass(frozen=True, slots=True)
 class SchemeGroup:
-    """One config group: the modules it targets and its weight block ((1, None): per output channel)."""
+    """One config group: the modules it targets and its FP8 weight block ((1, None): per output channel),
+    or ``nvfp4``: the NVFP4 tensor names it stores."""
 
     name: str
     targets: tuple[str, ...]
     block: tuple[int, int | None]
+    nvfp4: Nvfp4Names | None = None
 
     def matches(self, prefix: str) -> bool:
         for target in self.targets:
@@ -36,10 +53,32 @@ class SchemeGroup:
         return False
 
 
-def _group(name: str, group: dict[str, Any]) -> SchemeGroup:
+NVFP4_FORMAT = "nvfp4-pack-quantized"
+FP8_FORMATS = ("float-quantized", "naive-quantized")
+
+
+def _nvfp4_group(name: str, group: dict[str, Any], where: str) -> SchemeGroup:
+    w, a = group.get("weights") or {}, group.get("input_activations")
+    if w.get("num_bits") != 4 or w.get("type") != "float" or w.get("strategy") != "tensor_group" \
+            or int(w.get("group_size") or 0) != 16:
+        raise ValueError(f"{where}.weights: nvfp4-pack-quantized takes 4-bit float tensor_group weights in groups of "
+                         f"16, got {w}")
+    if a and (a.get("num_bits") != 4 or a.get("type") != "float"):
+        raise ValueError(f"{where}.input_activations: an NVFP4 group takes 4-bit float activations or none, got {a}")
+    names = COMPRESSED_TENSORS if a else COMPRESSED_TENSORS_W4A16
+    return SchemeGroup(name, tuple(group.get("targets") or ("Linear",)), (1, None), names)
+
+
+def _group(name: str, group: dict[str, Any], fmt: str = "float-quantized") -> SchemeGroup:
     w = group.get("weights") or {}
     a = group.get("input_activations") or {}
     where = f"quantization_config.config_groups.{name}"
+    fmt = group.get("format") or fmt
+    if fmt == NVFP4_FORMAT:
+        return _nvfp4_group(name, group, where)
+    if fmt not in FP8_FORMATS:
+        raise ValueError(f"{where}.format {fmt!r}: armillary's compressed-tensors serves float-quantized (FP8) and "
+                         f"{NVFP4_FORMAT} groups")
     if w.get("num_bits") != 8 or w.get("type") != "float":
         raise ValueError(f"{where}.weights: armillary's compressed-tensors serves 8-bit float weights, not "
                          f"{w.get('num_bits')}-bit {w.get('type')}")
@@ -62,7 +101,7 @@ def _group(name: str, group: dict[str, Any]) -> SchemeGroup:
 
 
 class CompressedTensorsConfig(QuantConfig):
-    """The FP8 schemes of compressed-tensors; a layer takes the first group that targets it."""
+    """The FP8 and NVFP4 schemes of compressed-tensors; a layer takes the first group that targets it."""
 
     name = "compressed-tensors"
 
@@ -74,10 +113,10 @@ class CompressedTensorsConfig(QuantConfig):
     def from_config(cls, quantization_config: dict[str, Any]) -> CompressedTensorsConfig:
         q = quantization_config
         fmt = q.get("format", "float-quantized")
-        if fmt not in ("float-quantized", "naive-quantized"):
+        if fmt not in (*FP8_FORMATS, NVFP4_FORMAT, "mixed-precision"):
             raise ValueError(f"quantization_config.format {fmt!r}: armillary's compressed-tensors serves "
-                             "float-quantized (FP8) checkpoints")
-        groups = tuple(_group(name, g) for name, g in (q.get("config_groups") or {}).items())
+                             f"float-quantized (FP8), {NVFP4_FORMAT} and mixed-precision of those")
+        groups = tuple(_group(name, g, fmt) for name, g in (q.get("config_groups") or {}).items())
         if not groups:
             raise ValueError("quantization_config.config_groups is empty")
         return cls(groups, tuple(q.get("ignore") or ()))
@@ -92,8 +131,12 @@ class CompressedTensorsConfig(QuantConfig):
 
     def linear_method(self, layer: nn.Module, prefix: str) -> QuantMethod:
         group = self._group_of(prefix)
+        if group is not None and group.nvfp4 is not None:
+            return Nvfp4LinearMethod(group.nvfp4)
         return UnquantizedLinearMethod() if group is None else Fp8LinearMethod(group.block, "weight_scale")
 
     def moe_method(self, layer: nn.Module, prefix: str) -> FusedMoEMethod:
         group = self._group_of(prefix)
+        if group is not None and group.nvfp4 is not None:
+            return Nvfp4MoEMethod(group.nvfp4)
         return UnquantizedFusedMoEMethod() if group is None else Fp8MoEMethod(group.block, "weight_scale")

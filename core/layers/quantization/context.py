@@ -15,6 +15,9 @@ from armillary.layers.quantization.base import QuantConfig
 from armillary.layers.quantization.unquantized import UnquantizedConfig
 
 UNQUANTIZED = UnquantizedConfig()
+# --quantization values that name a checkpoint format (vLLM's spellings) -> its quant_method
+CHECKPOINT_FORMATS = {"modelopt": "modelopt", "modelopt_fp4": "modelopt", "modelopt_mixed": "modelopt",
+                      "compressed-tensors": "compressed-tensors"}
 _current: QuantConfig = UNQUANTIZED
 
 
@@ -49,16 +52,25 @@ def resolve_quant_config(hf_config: Any, registry: Any, online: str | None = Non
     ``registry``: a ``QuantizationRegistry`` or a ``PluginRegistry`` (its ``quantizations``).
     An unregistered method is a ``PluginError`` naming the registered ones. ``online``
     (``--quantization fp8`` / ``fp8_block``): an unquantized checkpoint is quantized while loading;
-    an FP8 checkpoint keeps its own format.
+    an FP8 checkpoint keeps its own format; ``nvfp4``: bf16 weights quantized to NVFP4 while loading
+    (``modelopt.ONLINE_NVFP4``). ``online`` naming a checkpoint format (``modelopt``,
+    ``modelopt_fp4``, ``modelopt_mixed``, ``compressed-tensors``) only checks the checkpoint is one.
     """
     quant = quantization_config_of(hf_config)
+    if online in CHECKPOINT_FORMATS:  # vLLM's names for a checkpoint's own format: it must be that one
+        have = (quant or {}).get("quant_method")
+        if have != CHECKPOINT_FORMATS[online]:
+            raise PluginError(f"--quantization {online}: the checkpoint's quantization_config.quant_method is "
+                              f"{have!r}, not {CHECKPOINT_FORMATS[online]!r}; drop the flag to use its own format")
+        online = None
     if online is not None:
         from armillary.layers.quantization.fp8 import online_quantization_config
+        from armillary.layers.quantization.modelopt import ONLINE_NVFP4
 
-        wanted = online_quantization_config(online)
+        wanted = dict(ONLINE_NVFP4) if online == "nvfp4" else online_quantization_config(online)
         if quant is None:
             quant = wanted
-        elif quant.get("quant_method") not in ("fp8", "compressed-tensors"):
+        elif online == "nvfp4" or quant.get("quant_method") not in ("fp8", "compressed-tensors"):
             raise PluginError(f"--quantization {online}: the checkpoint is already quantized as "
                               f"{quant.get('quant_method')!r}; drop the flag")
     if quant is None:

@@ -1,4 +1,4 @@
-"""FP8 (e4m3) linear and MoE methods: block-scaled or per-channel weights as published, or quantized at load time.
+"""FP8 (e4m3) linear and MoE methods: block-scaled, per-channel or per-tensor (ModelOpt) weights as published, or quantized at load time.
 
 A weight is fp8 ``[N, K]`` with fp32 scales ``[ceil(N / bn), ceil(K / bk)]`` (dequantize by
 multiplying; per-channel is the block (1, K)). The scale's parameter name is the checkpoint's:
@@ -18,7 +18,7 @@ from torch import nn
 from armillary.errors import WeightLoadError
 from armillary.kernels import ops
 from armillary.kernels.fp8 import FP8_DTYPE, quantize_blocks
-from armillary.layers.quantization.base import FusedMoEMethod, QuantMethod, register_weight
+from armillary.layers.quantization.base import FusedMoEMethod, QuantMethod, per_tensor_scale_loader, register_weight
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -216,3 +216,57 @@ class Fp8MoEMethod(FusedMoEMethod):
         return ops.fp8_fused_moe(x, layer.gate_up_proj, getattr(layer, f"gate_up_proj_{self.scale_name}"),
                                  layer.down_proj, getattr(layer, f"down_proj_{self.scale_name}"), bn, bk,
                                  topk_weights, topk_ids, layer.activation)
+
+
+class Fp8PerTensorLinearMethod(Fp8LinearMethod):
+    """ModelOpt ``FP8``: ``weight`` fp8 [N, K], one fp32 ``weight_scale`` (and static ``input_scale``) per
+    checkpoint tensor, so per stacked shard; after loading the shard scales become per-channel scales
+    [N, 1] (exact: each row keeps its tensor's scale) and the layer runs as ``Fp8LinearMethod`` per channel,
+    activations quantized dynamically (``input_scale`` is kept but not needed)."""
+
+    def __init__(self) -> None:
+        super().__init__((1, None), "weight_scale")
+
+    def create_weights(self, layer: nn.Module, input_size_per_partition: int, output_partition_sizes: list[int],
+                       input_size: int, output_size: int, params_dtype: torch.dtype) -> None:
+        super().create_weights(layer, input_size_per_partition, output_partition_sizes, input_size, output_size,
+                               params_dtype)
+        for name in ("weight_scale", "input_scale"):
+            p = register_weight(layer, name, torch.empty(len(output_partition_sizes), dtype=torch.float32),
+                                per_shard=True)
+            p.weight_loader = per_tensor_scale_loader(p.weight_loader)
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        super().process_weights_after_loading(layer)
+        sizes = torch.tensor(layer.output_partition_sizes, device=layer.weight_scale.device)
+        rows = layer.weight_scale.data.repeat_interleave(sizes)[:, None]  # [N, 1]
+        layer.weight_scale = nn.Parameter(rows.contiguous(), requires_grad=False)
+
+
+class Fp8PerTensorMoEMethod(Fp8MoEMethod):
+    """ModelOpt ``FP8`` experts: one fp32 ``weight_scale`` / ``input_scale`` per expert and projection
+    (``gate_up_proj_weight_scale`` [E, 2, 1], ``down_proj_weight_scale`` [E, 1]); after loading per-channel
+    scales [E, 2I, 1] / [E, H, 1] and ``Fp8MoEMethod`` per channel."""
+
+    def __init__(self) -> None:
+        super().__init__((1, None), "weight_scale")
+
+    def create_weights(self, layer: nn.Module, num_experts: int, hidden_size: int,
+                       intermediate_size_per_partition: int, params_dtype: torch.dtype) -> None:
+        super().create_weights(layer, num_experts, hidden_size, intermediate_size_per_partition, params_dtype)
+        shards = 2 if layer.gated else 1
+        for attr in ("weight_scale", "input_scale"):
+            for name, data, kw in ((f"gate_up_proj_{attr}", torch.empty(num_experts, shards, 1), dict(per_shard=True)),
+                                   (f"down_proj_{attr}", torch.empty(num_experts, 1), {})):
+                p = register_weight(layer, name, data.float(), **kw)
+                p.weight_loader = per_tensor_scale_loader(p.weight_loader)
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        super().process_weights_after_loading(layer)
+        inter = layer.intermediate_size_per_partition
+        s13 = layer.gate_up_proj_weight_scale.data.reshape(layer.gate_up_proj.shape[0], -1)  # [E, shards]
+        s2 = layer.down_proj_weight_scale.data  # [E, 1]
+        layer.gate_up_proj_weight_scale = nn.Parameter(s13.repeat_interleave(inter, dim=1)[..., None].contiguous(),
+                                                       requires_grad=False)  # [E, 2I, 1]
+        layer.down_proj_weight_scale = nn.Parameter(s2.expand(-1, layer.hidden_size)[..., None].contiguous(),
+                                                    requires_grad=False)  # [E, H, 1]

@@ -51,7 +51,7 @@ class LlamaForCausalLM(CausalLM):
             log.warning("%s", line)
         self.model = LlamaModel(self.args)
         self.lm_head = None if self.args.tie_word_embeddings else ReplicatedLinear(self.args.hidden_size,
-                                                                                   self.args.vocab_size)
+                                                                                   self.args.vocab_size, prefix="lm_head")
         self.register_buffer("inv_freq", llama_inv_freq(self.args.rope, self.args.head_dim), persistent=False)
         self.requires_grad_(False)
 

@@ -11,9 +11,7 @@ def armillary_register_architectures(registry) -> None:
     registry.register("nemotron_h", ["NemotronHForCausalLM"], f"{_PKG}.model:NemotronHForCausalLM",
                       description="Nemotron-H / Nemotron-3 Nano: Mamba-2 + attention + relu² MoE",
                       default_reasoning_parser="nano_v3",
-                      # the template writes qwen3_coder XML calls; the parser of that name is the qwen_gdn_moe
-                      # plugin's today (a default that cannot load only warns)
-                      default_tool_parser="qwen3_coder")
+                      default_tool_parser="qwen3_coder")  # the template writes qwen3_coder XML calls (core's)
 
 
 @hookimpl

@@ -51,9 +51,11 @@ def _launch_mamba(dtype, heads, p, groups, n, kw, batch: int, tokens: int) -> No
     ssm_states = torch.empty(batch + 1, heads, p, n, dtype=torch.float32)
     A, D, dt_bias = (torch.empty(heads, dtype=torch.float32) for _ in range(3))
     slots = torch.arange(batch, dtype=torch.int64)
-    if tokens == batch:  # a decode-only step
-        mamba_decode_step(xbc, z, dt, conv_w, conv_b, conv_states, A, D, dt_bias, 1e-3, torch.empty(d_inner, dtype=dtype),
-                          1e-5, ssm_states, slots, heads, p)
+    if tokens == batch:  # a decode-only step: both launch shapes (group walk, row split), whatever the table picks
+        for split in (0, 16):
+            mamba_decode_step(xbc, z, dt, conv_w, conv_b, conv_states, A, D, dt_bias, 1e-3,
+                              torch.empty(d_inner, dtype=dtype), 1e-5, ssm_states, slots, heads, p,
+                              config={"split_p": split})
     x, B, C = xbc.split([d_inner, groups * n, groups * n], dim=-1)
     cu = torch.zeros(batch + 1, dtype=torch.int32)
     ssd_chunk_scan(x, B, C, dt, A, D, dt_bias, 1e-3, cu, ssm_states, slots, heads, p)

@@ -56,7 +56,13 @@ def _launch(dtype, heads: int, p: int, groups: int, n: int, kw: int, warps: int)
     mamba_decode_step(xbc, z, dt, torch.empty(conv_dim, kw, dtype=dtype), torch.empty(conv_dim, dtype=dtype),
                       torch.empty(3, conv_dim, kw - 1, dtype=dtype), torch.empty(heads), torch.empty(heads),
                       torch.empty(heads), 1e-3, torch.empty(d_inner, dtype=dtype), 1e-5,
-                      torch.empty(3, heads, p, n), torch.arange(2), heads, p, config={"num_warps": warps})
+                      torch.empty(3, heads, p, n), torch.arange(2), heads, p, config={"num_warps": warps, "split_p": 0})
+    for split in (4, 16):  # the row split: programs per head and block of state rows, tickets for B / C
+        mamba_decode_step(xbc, z, dt, torch.empty(conv_dim, kw, dtype=dtype), torch.empty(conv_dim, dtype=dtype),
+                          torch.empty(3, conv_dim, kw - 1, dtype=dtype), torch.empty(heads), torch.empty(heads),
+                          torch.empty(heads), 1e-3, torch.empty(d_inner, dtype=dtype), 1e-5,
+                          torch.empty(3, heads, p, n), torch.arange(2), heads, p,
+                          config={"num_warps": warps, "split_p": split})
     x, B, C = xbc.split([d_inner, groups * n, groups * n], dim=-1)
     ssd_chunk_scan(x, B, C, dt, torch.empty(heads), torch.empty(heads), torch.empty(heads), 1e-3,
                    torch.zeros(3, dtype=torch.int32), torch.empty(3, heads, p, n), torch.arange(2), heads, p,

@@ -22,7 +22,8 @@ def test_mamba_kernels_compile_for_sm90_and_fit():
     assert proc.returncode in (0, 1), proc.stderr[-4000:]
     rows = json.loads(proc.stdout)
     assert {(r["shapes"], r["kernel"]) for r in rows} == {
-        (s, k) for s in ("nano-bf16", "tiny-fp32") for k in ("_ssd_scan_kernel", "_mamba_decode_kernel", "_route_kernel")}
+        (s, k) for s in ("nano-bf16", "tiny-fp32")
+        for k in ("_ssd_scan_kernel", "_mamba_decode_kernel", "_mamba_decode_split_kernel", "_route_kernel")}
     over = [r for r in rows if not r["fits"]]
     assert not over, over
 
@@ -37,7 +38,7 @@ def test_mamba_in_place_stores_follow_a_barrier_after_every_read():
     rows = json.loads(proc.stdout)
     assert {(r["shapes"], r["num_warps"], r["kernel"]) for r in rows} == {
         (s, w, k) for s in ("nano-bf16", "tiny-fp32", "odd-fp32") for w in (4, 8)
-        for k in ("_mamba_decode_kernel", "_ssd_scan_kernel")}
+        for k in ("_mamba_decode_kernel", "_mamba_decode_split_kernel", "_ssd_scan_kernel")}
     assert all(r["barriers"] > 0 and r["stores"] > 0 for r in rows), rows
     unordered = [(r["shapes"], r["num_warps"], r["unordered"][:2]) for r in rows if r["unordered"]]
     assert not unordered, unordered

@@ -248,3 +248,78 @@ def test_decode_step_equals_a_one_token_scan():
                                 1e-3, 8, [0, 1, 2], b, slots)
     assert rel_err(y_step, y_scan) < 1e-6 and rel_err(a, b) < 1e-6
     assert F.softplus(torch.tensor(-30.0)).item() < 1e-3  # dt_min matters only for very negative dt
+
+
+# (split_p, shapes): blocks of 4 leave P = 20 / 12 five / three full blocks; 8 leaves P = 20 a partial third
+# block; 16 cuts P = 64 in four and makes every group of (5, 12, 5, 8) one program (one head, one block: no ticket)
+SPLITS = [(4, [s for i, s in enumerate(DECODE_SHAPES) if i != 3]), (8, [DECODE_SHAPES[1], DECODE_SHAPES[5]]),
+          (16, [DECODE_SHAPES[3], DECODE_SHAPES[4]])]
+SPLIT_CASES = [(split, *shape) for split, shapes in SPLITS for shape in shapes]
+
+
+@pytest.mark.parametrize("split,heads,p,g,n,kw,bias", SPLIT_CASES)
+def test_row_split_decode_matches_naive(split, heads, p, g, n, kw, bias):
+    """The row-split launch (programs per head and block of state rows, tickets for the group's B / C windows
+    and norm) against the references; untouched slots stay; tickets back at zero; a repeat is bit-identical."""
+    from armillary.kernels.triton.device_buffers import ticket_buffer
+
+    args, conv, states = decode_inputs(3, heads, p, g, n, kw, bias, 5, seed=heads * p + split)
+    slots = torch.tensor([4, 0, 2])
+    conv_ref, pool_ref, conv_tri, pool_tri = conv.clone(), states.clone(), conv.clone(), states.clone()
+    ref = decode_ref(args, conv_ref, pool_ref, slots, heads, p, g, n)
+    cfg = {"split_p": split, "num_warps": 1}
+    got = decode_tri(args, conv_tri, pool_tri, slots, heads, p, config=cfg)
+    assert rel_err(got, ref) < 1e-5
+    assert torch.equal(conv_tri, conv_ref) and rel_err(pool_tri, pool_ref) < 1e-6
+    assert torch.equal(conv_tri[[1, 3]], conv[[1, 3]]) and torch.equal(pool_tri[[1, 3]], states[[1, 3]])
+    assert not ticket_buffer(torch.device("cpu"), 0).any()
+    again_conv, again_pool = conv.clone(), states.clone()
+    again = decode_tri(args, again_conv, again_pool, slots, heads, p, config=cfg)
+    assert torch.equal(again, got) and torch.equal(again_pool, pool_tri) and torch.equal(again_conv, conv_tri)
+
+
+def test_row_split_steps_in_a_row_and_padding_rows():
+    """Row split over five launches on the same pools (slot order changing, a sequence leaving), then a
+    graph-shaped batch whose padding rows share the scratch slot: live rows as the references'."""
+    heads, p, g, n, kw, bias = DECODE_SHAPES[5]
+    cfg = {"split_p": 8, "num_warps": 1}  # one block per head, three heads per group: the tickets still count
+    _, conv, states = decode_inputs(1, heads, p, g, n, kw, bias, 6, seed=2)
+    conv_ref, pool_ref, conv_tri, pool_tri = conv.clone(), states.clone(), conv.clone(), states.clone()
+    for step, order in enumerate(([5, 1, 3], [1, 3, 5], [3, 5, 1], [5, 3], [3, 5])):
+        slots = torch.tensor(order)
+        args, _, _ = decode_inputs(len(order), heads, p, g, n, kw, bias, 1, seed=20 + step)
+        ref = decode_ref(args, conv_ref, pool_ref, slots, heads, p, g, n)
+        got = decode_tri(args, conv_tri, pool_tri, slots, heads, p, config=cfg)
+        assert rel_err(got, ref) < 1e-5, step
+        assert torch.equal(conv_tri, conv_ref) and rel_err(pool_tri, pool_ref) < 1e-6, step
+    args, _, _ = decode_inputs(5, heads, p, g, n, kw, bias, 1, seed=40)
+    live = torch.tensor([3, 1])
+    ref = decode_ref({k: v[:2] if k in ("xbc", "z", "dt") else v for k, v in args.items()}, conv_ref, pool_ref, live,
+                     heads, p, g, n)
+    got = decode_tri(args, conv_tri, pool_tri, torch.cat([live, torch.zeros(3, dtype=live.dtype)]), heads, p,
+                     config=cfg)
+    assert rel_err(got[:2], ref) < 1e-5
+    assert torch.equal(conv_tri[1:], conv_ref[1:]) and rel_err(pool_tri[1:], pool_ref[1:]) < 1e-6
+
+
+def test_row_split_equals_group_walk_half_precision():
+    """fp16 activations and windows: the two launch shapes agree (windows exactly, outputs to fp16 rounding)."""
+    heads, p, g, n, kw = 4, 16, 2, 16, 4
+    args, conv, states = decode_inputs(2, heads, p, g, n, kw, True, 3, seed=8, dtype=torch.float16)
+    slots = torch.tensor([2, 0])
+    conv_a, pool_a, conv_b, pool_b = conv.clone(), states.clone(), conv.clone(), states.clone()
+    walk = decode_tri(args, conv_a, pool_a, slots, heads, p, config={"split_p": 0})
+    split = decode_tri(args, conv_b, pool_b, slots, heads, p, config={"split_p": 8})
+    assert split.dtype == torch.float16 and rel_err(split, walk) < 2e-3
+    assert torch.equal(conv_a, conv_b) and rel_err(pool_a, pool_b) < 1e-6
+
+
+@pytest.mark.parametrize("batch,split", [(1, 16), (2, 64), (8, 64), (9, 0), (64, 0)])
+def test_table_picks_the_split_per_batch(batch, split, monkeypatch):
+    """The sm_90 table's Nano entry (P 64, N 128): the row split at batch 1..8, the group walk beyond."""
+    from armillary.kernels import tuning
+
+    monkeypatch.setattr(tuning, "device_target", lambda device=None: "sm_90")
+    monkeypatch.setattr(tuning, "gpu_name", lambda device=None: None)
+    assert tri_decode.decode_config(batch, 64, 128, torch.device("cpu"))["split_p"] == split
+    assert tri_decode.decode_config(batch, 64, 128, torch.device("cpu"), {"split_p": 4})["split_p"] == 4

@@ -67,12 +67,8 @@ def test_registered_as_the_architecture_default():
 
 
 def test_tool_call_from_reasoning_through_the_pipeline():
-    """Reasoning, then a qwen3_coder call, parsed by whichever installed plugin registers that format."""
-    registry = PluginRegistry()
-    registry.load_entry_points()
-    if "qwen3_coder" not in registry.parsers:
-        pytest.skip("no installed plugin registers the qwen3_coder tool parser")
-    tool_cls = registry.parsers.get("qwen3_coder").load()
+    """Reasoning, then a qwen3_coder call, parsed by core's qwen3_coder parser (no other plugin needed)."""
+    tool_cls = PluginRegistry().parsers.get("qwen3_coder").load()
 
     def make():
         return ParserPipeline(NanoV3ReasoningParser(True), tool_cls(TOOLS, id_generator=counting_ids()))

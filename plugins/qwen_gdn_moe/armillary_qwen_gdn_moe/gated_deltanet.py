@@ -104,14 +104,16 @@ class GatedDeltaNet(nn.Module):
         q = q.reshape(num_tokens, self.num_k_heads, self.head_k_dim)
         k = k.reshape(num_tokens, self.num_k_heads, self.head_k_dim)
         v = v.reshape(num_tokens, self.num_v_heads, self.head_v_dim)
-        beta = torch.sigmoid(b)
-        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())  # [T, HV] log decay
         if fast:
             from armillary_qwen_gdn_moe.ops.gated_delta_rule.chunk import chunk_gated_delta_rule_slots
+            from armillary_qwen_gdn_moe.ops.gated_delta_rule.gates import gdn_gates
 
+            beta, g = gdn_gates(b, a, self.A_log, self.dt_bias)  # [T, HV] each, g the log decay
             core = chunk_gated_delta_rule_slots(q, k, v, g, beta, batch.query_start_loc, ssm_states,
                                                 batch.state_slots, cu_seqlens_cpu=batch.query_start_loc_cpu)
         else:
+            beta = torch.sigmoid(b)
+            g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())  # [T, HV] log decay
             core = self._delta_rule(q, k, v, g, beta, batch, ssm_states)  # [T, HV, V]
         core = self.norm(core, z.reshape(num_tokens, self.num_v_heads, self.head_v_dim))
         return self.out_proj(core.reshape(num_tokens, self.value_dim))
@@ -123,20 +125,18 @@ class GatedDeltaNet(nn.Module):
         so the state after any accepted prefix survives. -> [T, value_dim]."""
         rows = batch.spec_state_rows  # [B, K]
         num, k = rows.shape
+        if fast:  # one launch over every position, the state kept in registers between them
+            from armillary_qwen_gdn_moe.ops.gated_delta_rule.fused_verify import fused_gdn_verify
+
+            return fused_gdn_verify(projected, self.conv1d.weight[:, 0], conv_states, ssm_states, self.A_log,
+                                    self.dt_bias, self.norm.weight, self.norm.eps, batch.state_slots,
+                                    rows.contiguous(), self.num_k_heads, self.head_k_dim, self.head_v_dim)
         steps = projected.view(num, k + 1, -1)  # [B, K+1, P]
         outs = []
         for i in range(k + 1):
             src = batch.state_slots if i == 0 else rows[:, i - 1].contiguous()  # the kernel reads unit-stride rows
             dst = rows[:, i].contiguous() if i < k else batch.state_slots
-            mixed = steps[:, i].contiguous()
-            if fast:
-                from armillary_qwen_gdn_moe.ops.gated_delta_rule.fused_recurrent import fused_gdn_decode
-
-                outs.append(fused_gdn_decode(mixed, self.conv1d.weight[:, 0], conv_states, ssm_states, self.A_log,
-                                             self.dt_bias, self.norm.weight, self.norm.eps, src, self.num_k_heads,
-                                             self.head_k_dim, self.head_v_dim, out_slots=dst))
-            else:
-                outs.append(self._decode_reference(mixed, src, dst, conv_states, ssm_states))
+            outs.append(self._decode_reference(steps[:, i].contiguous(), src, dst, conv_states, ssm_states))
         return torch.stack(outs, dim=1).reshape(num * (k + 1), self.value_dim)
 
     def _decode_reference(self, mixed: torch.Tensor, src: torch.Tensor, dst: torch.Tensor,

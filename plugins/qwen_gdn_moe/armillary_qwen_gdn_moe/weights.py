@@ -57,6 +57,7 @@ class QwenWeightLoader:
         self.model = model
         self.has_mtp = getattr(model, "mtp", None) is not None
         self.loader = CheckpointLoader(model)
+        self.takes_input_scale = any(n.endswith("input_scale") for n in self.loader.params)  # static (ModelOpt) schemes
 
     def load(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         unknown: list[str] = []
@@ -94,7 +95,7 @@ class QwenWeightLoader:
             scales = self.model.__dict__.setdefault("checkpoint_kv_scales", {})
             scales.setdefault(int(m["layer"]), {})[m["which"]] = float(tensor.float().reshape(-1).max())
             return True
-        if name.endswith(".input_scale"):
+        if name.endswith(".input_scale") and not self.takes_input_scale:
             raise WeightLoadError(f"{source}: static activation scales (input_scale) are not supported; armillary "
                                   "quantizes activations dynamically (use a dynamic-activation FP8 checkpoint)")
         m = _FUSED_EXPERT_SCALE.fullmatch(name)

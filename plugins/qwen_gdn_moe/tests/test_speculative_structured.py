@@ -13,7 +13,7 @@ from armillary import LLM, SamplingParams
 from armillary.parsers.base import ParserPipeline
 from armillary.server.openai_render import chat_message
 from armillary.structured.spec import StructuredSpec, ToolCallConstraint
-from armillary_qwen_gdn_moe.parsers.qwen3_coder import Qwen3CoderToolParser
+from armillary.parsers.qwen3_coder import Qwen3CoderToolParser
 from armillary_qwen_gdn_moe.parsers.reasoning import Qwen3ReasoningParser
 from plugins.qwen_gdn_moe.tests.harness import qwen_registry
 from plugins.qwen_gdn_moe.tests.hf_models import CASES_BY_NAME, VOCAB

@@ -15,6 +15,7 @@ import json
 from typing import Any
 
 from armillary.errors import InvalidRequestError
+from armillary.parsers.tool_grammar import allowed_functions, calls_spec
 from armillary.structured.spec import StructuredSpec, ToolCallConstraint
 from armillary_gemma.parsers.gemma4_syntax import QUOTE, bare_name_ok
 
@@ -169,26 +170,11 @@ def _arguments_ebnf(parameters: Any, where: str) -> str:
 
 def gemma4_call_grammar(tools: list[dict], constraint: ToolCallConstraint) -> StructuredSpec:
     """The structural tag for ``constraint`` over ``tools`` (OpenAI function form)."""
-    by_name = {}
-    for tool in tools:
-        function = tool.get("function") if isinstance(tool, dict) else None
-        if isinstance(function, dict) and isinstance(function.get("name"), str):
-            by_name[function["name"]] = function
     tags = []
-    for name in constraint.allowed:
-        if name not in by_name:
-            raise InvalidRequestError(f"tool {name!r} is not among the request's tools")
+    for name, function in allowed_functions(tools, constraint):
         if not bare_name_ok(name):
             raise InvalidRequestError(f"tool name {name!r} cannot be written in Gemma 4 tool-call markup")
-        params = by_name[name].get("parameters") if name in constraint.schema_checked else {}
+        params = function.get("parameters") if name in constraint.schema_checked else {}
         content = {"type": "grammar", "grammar": _arguments_ebnf(params, f"tool {name!r}")}
         tags.append({"type": "tag", "begin": f"{_TRIGGER}call:{name}{{", "content": content, "end": "}<tool_call|>"})
-    if not tags:
-        raise InvalidRequestError("no tool to call")
-    if constraint.required:
-        calls = {"type": "tags_with_separator", "tags": tags, "separator": "\n", "at_least_one": True,
-                 "stop_after_first": not constraint.parallel}
-    else:
-        calls = {"type": "triggered_tags", "triggers": [_TRIGGER], "tags": tags,
-                 "stop_after_first": not constraint.parallel}
-    return StructuredSpec.structural_tag({"format": calls})
+    return calls_spec(tags, constraint, _TRIGGER, "\n")

@@ -10,21 +10,19 @@ argument is its raw text, any other the JSON of its value; the tool's JSON schem
 from __future__ import annotations
 
 import enum
-import json
 from collections.abc import Callable
 from typing import ClassVar
 
-from armillary.parsers.arg_types import convert_argument, is_string_schema
 from armillary.parsers.base import BufferedMachine, ToolParser
-from armillary.parsers.events import ParserEvent, TextDelta, ToolCallArgsDelta, ToolCallEnd, ToolCallStart
+from armillary.parsers.events import ParserEvent, TextDelta
 from armillary.parsers.scan import find_first_tag, partial_tag_len
+from armillary.parsers.xml_args import XmlArguments
 from armillary.structured.spec import StructuredSpec, ToolCallConstraint
 from armillary_glm_flash.parsers.glm47_grammar import glm47_call_grammar
 
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
 KEY_OPEN, KEY_CLOSE = "<arg_key>", "</arg_key>"
 VALUE_OPEN, VALUE_CLOSE = "<arg_value>", "</arg_value>"
-_NULL = "null"
 _NAME_END = (KEY_OPEN, CALL_CLOSE)
 
 
@@ -35,10 +33,6 @@ class _State(enum.Enum):
     KEY = "key"  # after <arg_key>
     BETWEEN = "between"  # after </arg_key>, expecting <arg_value>
     VALUE = "value"  # after <arg_value>, up to </arg_value>
-
-
-def _json_text(value: object) -> str:
-    return json.dumps(value, ensure_ascii=False)
 
 
 def _bad_name(text: str) -> bool:
@@ -70,15 +64,8 @@ class Glm47ToolParser(BufferedMachine, ToolParser):
         self._buf = ""
         self._calls = 0
         self._skip_ws = False  # just after a call: whitespace is dropped
-        self._index = -1
-        self._properties: dict = {}
-        self._args = ""  # argument JSON emitted for the open call
-        self._params = 0
-        self._key = ""
-        self._schema: dict | None = None
-        self._streams = False  # the open value is string-typed: streamed
-        self._quote_open = False
-        self._undecided = ""  # start of a streamed value while it could still be the literal null
+        self._arguments = XmlArguments()  # the open call's arguments and value
+        self._key = ""  # the open value's key ("" : the value is skipped)
         self._scan_from = 0
 
     @classmethod
@@ -179,13 +166,14 @@ class Glm47ToolParser(BufferedMachine, ToolParser):
         if pos >= 0 or final:
             end = pos if pos >= 0 else len(buf) - partial_tag_len(buf, (VALUE_CLOSE,))
             if self._key:
-                self._finish_value(events, buf[:end])
+                self._arguments.finish_value(events, buf[:end])
+                self._key = ""
             self._buf = buf[pos + len(VALUE_CLOSE):] if pos >= 0 else ""
             self._state = _State.BODY
             return True
-        if self._streams and self._key:
+        if self._arguments.streams and self._key:
             cut = len(buf) - partial_tag_len(buf, (VALUE_CLOSE,))
-            self._stream_string(events, buf[:cut])
+            self._arguments.stream(events, buf[:cut])
             self._buf = buf[cut:]
         else:
             self._scan_from = max(0, len(buf) - len(VALUE_CLOSE) + 1)
@@ -211,17 +199,12 @@ class Glm47ToolParser(BufferedMachine, ToolParser):
             events.append(TextDelta(text))
 
     def _start_call(self, events: list[ParserEvent], name: str) -> None:
-        self._index = self._calls
+        index = self._calls
         self._calls += 1
-        self._args, self._params = "", 0
-        properties = (self.parameter_schemas.get(name) or {}).get("properties")
-        self._properties = properties if isinstance(properties, dict) else {}
-        events.append(ToolCallStart(self._index, self.id_generator(), name))
-        self._emit_args(events, "{")
+        self._arguments.start_call(events, index, self.id_generator(), name, self.parameter_schemas.get(name))
 
     def _close_call(self, events: list[ParserEvent]) -> None:
-        self._emit_args(events, "}")
-        events.append(ToolCallEnd(self._index, self._args))
+        self._arguments.close_call(events)
 
     def _end_call(self, events: list[ParserEvent]) -> None:
         self._close_call(events)
@@ -229,41 +212,7 @@ class Glm47ToolParser(BufferedMachine, ToolParser):
         self._state = _State.TEXT
 
     def _begin_value(self, key: str) -> None:
-        schema = self._properties.get(key)
         self._key = key
-        self._schema = schema if isinstance(schema, dict) else None
-        self._streams = is_string_schema(self._schema)
-        self._quote_open = False
-        self._undecided = ""
+        self._arguments.begin_value(key)
         self._scan_from = 0
         self._state = _State.VALUE
-
-    def _key_text(self) -> str:
-        separator = ", " if self._params else ""
-        self._params += 1
-        return f"{separator}{_json_text(self._key)}: "
-
-    def _stream_string(self, events: list[ParserEvent], piece: str) -> None:
-        if self._quote_open:
-            if piece:
-                self._emit_args(events, _json_text(piece)[1:-1])
-            return
-        self._undecided += piece
-        if _NULL.startswith(self._undecided):
-            return
-        self._emit_args(events, self._key_text() + '"' + _json_text(self._undecided)[1:-1])
-        self._quote_open = True
-        self._undecided = ""
-
-    def _finish_value(self, events: list[ParserEvent], rest: str) -> None:
-        if self._quote_open:
-            self._emit_args(events, (_json_text(rest)[1:-1] if rest else "") + '"')
-        else:
-            raw = self._undecided + rest
-            self._emit_args(events, self._key_text() + _json_text(convert_argument(raw, self._schema)))
-        self._quote_open = False
-        self._key = ""
-
-    def _emit_args(self, events: list[ParserEvent], text: str) -> None:
-        self._args += text
-        events.append(ToolCallArgsDelta(self._index, text))

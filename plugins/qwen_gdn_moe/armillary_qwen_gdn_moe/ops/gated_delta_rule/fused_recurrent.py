@@ -97,6 +97,23 @@ def _gates(row, a_log, dt_bias, i_hv, GATE_OFFSET: tl.constexpr, NUM_V_HEADS: tl
 
 
 @triton.jit
+def normalise_rows(out, rows, partials, token, i_kh, eps, GROUP: tl.constexpr, V: tl.constexpr,
+                   NUM_V_HEADS: tl.constexpr, NV: tl.constexpr, NV_P2: tl.constexpr, BV_ROW: tl.constexpr):
+    """A key head's last arriver: its GROUP value heads' gated rows of ``token`` (rows: [tokens, HV, V]
+    fp32) times 1 / rms from the partial sums of squares (partials: [tokens, HV, NV]) into ``out``, the
+    token's output row."""
+    o_p = tl.arange(0, NV_P2)
+    o_r = tl.arange(0, BV_ROW)
+    for j in tl.static_range(GROUP):
+        head = token * NUM_V_HEADS + i_kh * GROUP + j
+        # .cg: straight from L2, where the other programs' stores are
+        part = tl.load(partials + head * NV + o_p, mask=o_p < NV, other=0.0, cache_modifier=".cg")
+        rstd = tl.rsqrt(tl.sum(part, 0) / V + eps)  # fixed summation order: deterministic
+        g = tl.load(rows + head * V + o_r, mask=o_r < V, other=0.0, cache_modifier=".cg")
+        tl.store(out + (i_kh * GROUP + j) * V + o_r, (g * rstd).to(out.dtype.element_ty), mask=o_r < V)
+
+
+@triton.jit
 def _key_head_step(
     mixed, conv_weight, conv_states, ssm_states, a_log, dt_bias, norm_weight, state_slots, out_slots, out,
     stride_mixed, stride_w, stride_conv, stride_ssm, stride_out, eps, scale,
@@ -230,15 +247,7 @@ def _value_split_step(
         _shift_window(row, window, window_out, ch_v, m_v, KW)
         if ticket == GROUP * NV - 1:  # last of the key head: every old q/k window read, every row part written
             if NV > 1:
-                o_p = tl.arange(0, NV_P2)
-                o_r = tl.arange(0, BV_ROW)
-                for j in tl.static_range(GROUP):
-                    head = i_b * NUM_V_HEADS + i_kh * GROUP + j
-                    # .cg: straight from L2, where the other programs' stores are
-                    part = tl.load(partials + head * NV + o_p, mask=o_p < NV, other=0.0, cache_modifier=".cg")
-                    rstd = tl.rsqrt(tl.sum(part, 0) / V + eps)  # fixed summation order: deterministic
-                    g = tl.load(rows + head * V + o_r, mask=o_r < V, other=0.0, cache_modifier=".cg")
-                    tl.store(out + (i_kh * GROUP + j) * V + o_r, (g * rstd).to(out.dtype.element_ty), mask=o_r < V)
+                normalise_rows(out, rows, partials, i_b, i_kh, eps, GROUP, V, NUM_V_HEADS, NV, NV_P2, BV_ROW)
             _shift_window(row, window, window_out, ch_q, m_k, KW)
             _shift_window(row, window, window_out, KEY_DIM + ch_q, m_k, KW)
             tl.store(p_ticket, 0)  # ready for the next launch (and graph replay)

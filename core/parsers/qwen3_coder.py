@@ -15,16 +15,15 @@ one block per call (several per turn). Values are raw text typed by the tool's J
 from __future__ import annotations
 
 import enum
-import json
 from collections.abc import Callable
 from typing import ClassVar
 
-from armillary.parsers.arg_types import convert_argument, is_string_schema
 from armillary.parsers.base import BufferedMachine, ToolParser
-from armillary.parsers.events import ParserEvent, TextDelta, ToolCallArgsDelta, ToolCallEnd, ToolCallStart
+from armillary.parsers.events import ParserEvent, TextDelta
 from armillary.parsers.scan import find_first_tag, partial_tag_len, undecided_prefix
 from armillary.structured.spec import StructuredSpec, ToolCallConstraint
-from armillary_qwen_gdn_moe.parsers.qwen3_coder_grammar import qwen3_coder_call_grammar
+from armillary.parsers.qwen3_coder_grammar import qwen3_coder_call_grammar
+from armillary.parsers.xml_args import XmlArguments
 
 TOOL_CALL_OPEN = "<tool_call>"
 TOOL_CALL_CLOSE = "</tool_call>"
@@ -32,7 +31,6 @@ FUNCTION_OPEN = "<function="
 FUNCTION_CLOSE = "</function>"
 PARAMETER_OPEN = "<parameter="
 PARAMETER_CLOSE = "</parameter>"
-_NULL = "null"
 _NAME_BREAKERS = ("\n", "<")  # a tag name never spans these: the header is malformed
 
 
@@ -44,10 +42,6 @@ class _State(enum.Enum):
     PARAMETER_NAME = "parameter_name"  # after <parameter=, up to >
     PARAMETER_VALUE = "parameter_value"  # up to </parameter>
     CALL_TAIL = "call_tail"  # after </function>, expecting </tool_call> (or another <function=)
-
-
-def _json_text(value: object) -> str:
-    return json.dumps(value, ensure_ascii=False)
 
 
 def _drop_one_trailing_newline(text: str) -> str:
@@ -88,18 +82,8 @@ class Qwen3CoderToolParser(BufferedMachine, ToolParser):
         self._raw = ""  # markup consumed since <tool_call>, released as text if the header is malformed
         self._calls = 0  # calls started so far
         self._skip_ws = False  # just after a call: whitespace is dropped
-        # the open call
-        self._index = -1
-        self._properties: dict = {}  # parameter name -> property schema
-        self._args = ""  # argument JSON emitted so far
-        self._params = 0  # parameters written so far
-        # the open parameter
-        self._param_name = ""
-        self._param_schema: dict | None = None
-        self._param_streams = False  # string-typed: streamed as it arrives
+        self._arguments = XmlArguments()  # the open call's arguments and parameter
         self._lead_checked = False  # the newline after <parameter=P> was looked for
-        self._quote_open = False  # a streamed string value has written its opening quote
-        self._undecided = ""  # start of a streamed value while it could still be the literal null
         self._scan_from = 0  # where to resume looking for </parameter> in a held value
 
     @classmethod
@@ -199,15 +183,15 @@ class Qwen3CoderToolParser(BufferedMachine, ToolParser):
         pos = buf.find(PARAMETER_CLOSE, self._scan_from)
         if pos >= 0 or final:
             end = pos if pos >= 0 else len(buf) - partial_tag_len(buf, (PARAMETER_CLOSE,))
-            self._finish_parameter(events, _drop_one_trailing_newline(buf[:end]))
+            self._arguments.finish_value(events, _drop_one_trailing_newline(buf[:end]))
             self._buf = buf[pos + len(PARAMETER_CLOSE):] if pos >= 0 else ""
             self._state = _State.FUNCTION_BODY
             return True
-        if self._param_streams:
+        if self._arguments.streams:
             cut = len(buf) - partial_tag_len(buf, (PARAMETER_CLOSE,))
             if cut > 0 and buf[cut - 1] == "\n":  # may be the newline before </parameter>
                 cut -= 1
-            self._stream_string(events, buf[:cut])
+            self._arguments.stream(events, buf[:cut])
             self._buf = buf[cut:]
         else:
             self._scan_from = max(0, len(buf) - len(PARAMETER_CLOSE) + 1)
@@ -274,57 +258,15 @@ class Qwen3CoderToolParser(BufferedMachine, ToolParser):
         self._state = _State.TEXT
 
     def _start_call(self, events: list[ParserEvent], name: str) -> None:
-        self._index = self._calls
+        index = self._calls
         self._calls += 1
         self._raw = ""
-        self._args = ""
-        self._params = 0
-        schema = self.parameter_schemas.get(name) or {}
-        properties = schema.get("properties")
-        self._properties = properties if isinstance(properties, dict) else {}
-        events.append(ToolCallStart(self._index, self.id_generator(), name))
-        self._emit_args(events, "{")
+        self._arguments.start_call(events, index, self.id_generator(), name, self.parameter_schemas.get(name))
 
     def _close_call(self, events: list[ParserEvent]) -> None:
-        self._emit_args(events, "}")
-        events.append(ToolCallEnd(self._index, self._args))
+        self._arguments.close_call(events)
 
     def _begin_parameter(self, name: str) -> None:
-        schema = self._properties.get(name)
-        self._param_name = name
-        self._param_schema = schema if isinstance(schema, dict) else None
-        self._param_streams = is_string_schema(self._param_schema)
+        self._arguments.begin_value(name)
         self._lead_checked = False
-        self._quote_open = False
-        self._undecided = ""
         self._scan_from = 0
-
-    def _parameter_key(self) -> str:
-        separator = ", " if self._params else ""
-        self._params += 1
-        return f"{separator}{_json_text(self._param_name)}: "
-
-    def _stream_string(self, events: list[ParserEvent], piece: str) -> None:
-        """Write more of a string value; the quote opens once the text cannot be the literal null."""
-        if self._quote_open:
-            if piece:
-                self._emit_args(events, _json_text(piece)[1:-1])
-            return
-        self._undecided += piece
-        if _NULL.startswith(self._undecided):
-            return
-        self._emit_args(events, self._parameter_key() + '"' + _json_text(self._undecided)[1:-1])
-        self._quote_open = True
-        self._undecided = ""
-
-    def _finish_parameter(self, events: list[ParserEvent], rest: str) -> None:
-        """The value is complete; ``rest`` is its text not yet written (all of it if not streamed)."""
-        if self._quote_open:
-            self._emit_args(events, (_json_text(rest)[1:-1] if rest else "") + '"')
-            return
-        raw = self._undecided + rest
-        self._emit_args(events, self._parameter_key() + _json_text(convert_argument(raw, self._param_schema)))
-
-    def _emit_args(self, events: list[ParserEvent], text: str) -> None:
-        self._args += text
-        events.append(ToolCallArgsDelta(self._index, text))

@@ -26,7 +26,10 @@ import json
 from typing import Any
 
 from armillary.errors import InvalidRequestError
-from armillary.parsers.arg_types import schema_types
+from armillary.parsers.tool_grammar import (
+    allowed_functions, calls_spec, char_class, check_markup_name, const, object_parameters, raw_string_options,
+    raw_value_format, sequence,
+)
 from armillary.structured.spec import StructuredSpec, ToolCallConstraint
 
 PARAMETER_END = "</parameter>"
@@ -35,23 +38,8 @@ _TRIGGER = "<tool_call>"
 _HEADER_BREAKERS = (">", "\n", "<")  # a name holding one of these cannot be written in a tag header
 
 
-def _const(text: str) -> dict:
-    return {"type": "const_string", "value": text}
-
-
-def _sequence(elements: list[dict]) -> dict:
-    if not elements:
-        return _const("")
-    return elements[0] if len(elements) == 1 else {"type": "sequence", "elements": elements}
-
-
 def _ebnf_literal(text: str) -> str:
     return json.dumps(text, ensure_ascii=False)
-
-
-def _class(chars: set[str], negate: bool) -> str:
-    escaped = "".join("\\" + c if c in "]\\^-" else c for c in sorted(chars))
-    return f"[^{escaped}]" if negate else f"[{escaped}]"
 
 
 # ---- raw string text
@@ -97,10 +85,10 @@ def _unbounded_text_ebnf(min_len: int, exclude_null: bool) -> str:
         for target, chars in targets.items():
             if target is None or target == other:
                 continue
-            alternatives.append(f"{_class(chars, negate=False)} {name(target)}")
+            alternatives.append(f"{char_class(chars, negate=False)} {name(target)}")
         # every character not sent elsewhere goes where a plain character goes
         elsewhere = {c for target, chars in targets.items() if target != other for c in chars}
-        alternatives.append(f"{_class(elsewhere, negate=True)} {name(other)}")
+        alternatives.append(f"{char_class(elsewhere, negate=True)} {name(other)}")
         for target in [*targets, other]:
             if target is not None and target not in seen:
                 seen.add(target)
@@ -118,7 +106,7 @@ def _bounded_text_ebnf(min_len: int, max_len: int, exclude_null: bool) -> str:
     banned = set() if max_len < len(PARAMETER_END) else {"<"}
 
     def chars(extra: set[str] = frozenset()) -> str:
-        return _class(banned | extra, negate=True)
+        return char_class(banned | extra, negate=True)
 
     def run(low: int, high: int) -> list[str]:
         if low > high:
@@ -136,14 +124,9 @@ def _bounded_text_ebnf(min_len: int, max_len: int, exclude_null: bool) -> str:
 
 def _string_value(schema: dict, nullable: bool, where: str) -> dict:
     """The raw-text format of a string-typed value."""
-    options = schema.get("enum") if "enum" in schema else ([schema["const"]] if "const" in schema else None)
+    options = raw_string_options(schema, PARAMETER_END, nullable, where, "a qwen3_coder parameter")
     if options is not None:
-        texts = [o for o in options if isinstance(o, str) and PARAMETER_END not in o and (o != _NULL or nullable)]
-        if nullable and None in options:
-            texts.append(_NULL)
-        if not texts:
-            raise InvalidRequestError(f"{where}: none of its enum values can be written as a qwen3_coder parameter")
-        return {"type": "or", "elements": [_const(t) for t in dict.fromkeys(texts)]}
+        return options
     if isinstance(schema.get("pattern"), str):
         value = {"type": "regex", "pattern": schema["pattern"]}
     else:
@@ -153,61 +136,38 @@ def _string_value(schema: dict, nullable: bool, where: str) -> dict:
             raise InvalidRequestError(f"{where}: invalid minLength / maxLength")
         ebnf = _unbounded_text_ebnf(low, not nullable) if high is None else _bounded_text_ebnf(low, high, not nullable)
         value = {"type": "grammar", "grammar": ebnf}
-    return {"type": "or", "elements": [value, _const(_NULL)]} if nullable else value
-
-
-def _string_member(schema: dict) -> dict:
-    """The part of a schema that describes its string values (an anyOf / oneOf member, or itself)."""
-    for key in ("anyOf", "oneOf"):
-        for member in schema.get(key) or []:
-            if isinstance(member, dict) and "string" in schema_types(member):
-                return _string_member(member)
-    return schema
+    return {"type": "or", "elements": [value, const(_NULL)]} if nullable else value
 
 
 def _value_format(schema: Any, definitions: dict, where: str) -> dict:
     """What VALUE may be for a parameter with this schema (see the module doc)."""
-    schema = schema if isinstance(schema, dict) else {}
-    types = schema_types(schema)
-    if "string" in types:
-        nullable = "null" in types or None in (schema.get("enum") or [])
-        return _string_value(_string_member(schema), nullable, where)
-    return {"type": "json_schema", "json_schema": {**definitions, **schema}}
+    return raw_value_format(schema, definitions, where, _string_value)
 
 
 # ---- calls
 
 def _check_name(name: str, what: str) -> None:
-    if not name or any(b in name for b in _HEADER_BREAKERS) or name != name.strip():
-        raise InvalidRequestError(f"{what} {name!r} cannot be written in qwen3_coder tool-call markup")
+    check_markup_name(name, what, _HEADER_BREAKERS, "qwen3_coder")
 
 
 def _parameters(name: str, parameters: Any) -> dict:
     """The body of a call to a tool with this parameters schema: its parameter blocks in order."""
     where = f"tool {name!r}"
-    if parameters is None:
-        parameters = {}
-    if not isinstance(parameters, dict) or parameters.get("type", "object") != "object":
-        raise InvalidRequestError(f"{where}: parameters must be a JSON schema of type object")
-    properties = parameters.get("properties") or {}
-    required = parameters.get("required") or []
-    if not isinstance(properties, dict) or not isinstance(required, list):
-        raise InvalidRequestError(f"{where}: properties must be an object and required a list")
-    definitions = {k: parameters[k] for k in ("$defs", "definitions") if isinstance(parameters.get(k), dict)}
+    properties, required, definitions, names = object_parameters(where, parameters)
     blocks = []
-    for param in [*properties, *(r for r in required if r not in properties)]:
+    for param in names:
         _check_name(param, f"{where}: parameter")
         value = _value_format(properties.get(param), definitions, f"{where}: parameter {param!r}")
-        block = _sequence([_const(f"<parameter={param}>\n"), value, _const(f"\n{PARAMETER_END}\n")])
+        block = sequence([const(f"<parameter={param}>\n"), value, const(f"\n{PARAMETER_END}\n")])
         blocks.append(block if param in required else {"type": "optional", "content": block})
-    return _sequence(blocks)
+    return sequence(blocks)
 
 
 def _any_parameters() -> dict:
     """Parameters of a tool whose arguments are not checked: any names, any text."""
-    block = _sequence([_const("<parameter="), {"type": "regex", "pattern": "[^<>\\n]+"}, _const(">\n"),
+    block = sequence([const("<parameter="), {"type": "regex", "pattern": "[^<>\\n]+"}, const(">\n"),
                        {"type": "grammar", "grammar": _unbounded_text_ebnf(0, exclude_null=False)},
-                       _const(f"\n{PARAMETER_END}\n")])
+                       const(f"\n{PARAMETER_END}\n")])
     return {"type": "star", "content": block}
 
 
@@ -218,25 +178,10 @@ def _call_tag(name: str, body: dict) -> dict:
 
 def qwen3_coder_call_grammar(tools: list[dict], constraint: ToolCallConstraint) -> StructuredSpec:
     """The structural tag for ``constraint`` over ``tools`` (OpenAI function form)."""
-    by_name = {}
-    for tool in tools:
-        function = tool.get("function") if isinstance(tool, dict) else None
-        if isinstance(function, dict) and isinstance(function.get("name"), str):
-            by_name[function["name"]] = function
     tags = []
-    for name in constraint.allowed:
-        if name not in by_name:
-            raise InvalidRequestError(f"tool {name!r} is not among the request's tools")
+    for name, function in allowed_functions(tools, constraint):
         _check_name(name, "tool name")
         checked = name in constraint.schema_checked
-        tags.append(_call_tag(name, _parameters(name, by_name[name].get("parameters")) if checked
+        tags.append(_call_tag(name, _parameters(name, function.get("parameters")) if checked
                               else _any_parameters()))
-    if not tags:
-        raise InvalidRequestError("no tool to call")
-    if constraint.required:
-        calls = {"type": "tags_with_separator", "tags": tags, "separator": "\n", "at_least_one": True,
-                 "stop_after_first": not constraint.parallel}
-    else:
-        calls = {"type": "triggered_tags", "triggers": [_TRIGGER], "tags": tags,
-                 "stop_after_first": not constraint.parallel}
-    return StructuredSpec.structural_tag({"format": calls})
+    return calls_spec(tags, constraint, _TRIGGER, "\n")

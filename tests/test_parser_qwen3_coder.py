@@ -1,4 +1,4 @@
-"""qwen3_coder tool calls: typed arguments, content around calls, malformed and cut-off calls, any chunking."""
+"""Core's qwen3_coder tool calls: typed arguments, content around calls, malformed and cut-off calls, any chunking."""
 from __future__ import annotations
 
 import json
@@ -13,7 +13,7 @@ from armillary.parsers.events import ToolCallArgsDelta, ToolCallEnd, ToolCallSta
 from armillary.registry import PluginRegistry
 
 from armillary_qwen_gdn_moe import hooks
-from armillary_qwen_gdn_moe.parsers.qwen3_coder import Qwen3CoderToolParser
+from armillary.parsers.qwen3_coder import Qwen3CoderToolParser
 from armillary_qwen_gdn_moe.parsers.reasoning import Qwen3ReasoningParser
 
 TOOLS = [
@@ -199,10 +199,12 @@ def test_default_ids_and_registration():
     start = events[0]
     assert isinstance(start, ToolCallStart) and re.fullmatch(r"call_[A-Za-z0-9]{24}", start.id)
     assert json.loads(events[-1].arguments) == {"x": 1}  # no tools: untyped
-    registry = PluginRegistry()
-    registry.register(hooks, "qwen_gdn_moe")
+    registry = PluginRegistry()  # core's own: no plugin needed (nemotron's template writes it too)
     spec = registry.parsers.get("qwen3_coder")
-    assert spec.kind == "tool" and spec.load() is Qwen3CoderToolParser
+    assert spec.kind == "tool" and spec.plugin == "core" and spec.load() is Qwen3CoderToolParser
+    registry.register(hooks, "qwen_gdn_moe")  # the qwen plugin names it as its default without registering it
+    arch = registry.resolve_architecture(["Qwen3_5MoeForCausalLM"])
+    assert arch.default_tool_parser == "qwen3_coder" and "qwen3_coder" not in registry.infos["qwen_gdn_moe"].parsers
 
 
 SOUP = ["<think>", "</think>", "<tool_call>", "</tool_call>", "<function=get_weather>", "<function=configure>",

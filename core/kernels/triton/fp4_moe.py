@@ -1,0 +1,260 @@
+"""NVFP4 fused MoE: GEMV-style weight streaming for decode, a grouped tensor-core GEMM over expert-sorted rows for prefill.
+
+Experts as ``armillary.kernels.fp4.fused_moe`` takes them: w13 uint8 [E, 2I or I, H / 2] (rows
+[gate | up]), s13 e4m3 [E, 2I or I, H / 16], g13 fp32 [E, 2I or I]; w2 uint8 [E, H, I / 2], s2
+[E, H, I / 16], g2 [E, H]. Weight-only: activations stay in x's dtype (h in fp32 on the GEMV path).
+
+- GEMV (up to GEMV_MAX_PAIRS (token, expert) pairs), fp8_moe's two launches with fp4_gemv's
+  one-row unpacking: the up kernel, a program per (pair, BLOCK_N rows), streams the gate and up
+  rows of its expert as int32 words (8 codes each, 16-byte loads), the group scale applied once
+  per word, and stores act(gate · x) · (up · x) in fp32; the down kernel, a program per (token,
+  BLOCK_N rows), walks the token's k experts and sums weight_j · (W2_e h_j) with each expert's
+  row scales folded into its word sums, one reduction and one store: no atomics, no third launch.
+- grouped (prefill): rows sorted by expert into BLOCK_M blocks (``moe_align``), each weight tile
+  unpacked to x's dtype times its group scales (``fp4_gemv.dequant_halves``: low / high halves
+  against the rows' even / odd columns) for ``tl.dot``, loads pipelined; the weighted sum over
+  each token's k experts is one torch reduction.
+- dequant (prefill, from ``dequant_min_pairs`` pairs in the ``fp4_moe`` tuning entry; 0: never):
+  every expert unpacked once into x's dtype (``fp4_gemv.dequantize``) and core's bf16 Triton MoE,
+  which pays the unpacking once per call instead of once per row block.
+
+Reference: ``armillary.kernels.fp4.fused_moe``.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from armillary.kernels.activation import act_and_mul, get_activation
+from armillary.kernels import tuning
+from armillary.kernels.triton.fp4_gemv import FOLD, as_words, dequant_halves, dequantize, word_products
+from armillary.kernels.triton.fp8_moe import _FUSED_ACTS, _IDENTITY, _act
+from armillary.kernels.triton.fp8_skinny import on_gpu, pdl_options
+from armillary.kernels.triton.moe_align import moe_align
+from armillary.kernels.triton.pdl import pdl_prologue
+
+GEMV_MAX_PAIRS = 64  # at most this many (token, expert) pairs take the GEMV path
+DEFAULTS = {"dequant_min_pairs": 0}  # the ``fp4_moe`` tuning entry: 0 never dequantizes whole experts
+
+
+@triton.jit
+def _rows_dot(w_e, s_e, x_row, rows, K, stride_wn, stride_sn, EVEN_K: tl.constexpr, K_TILES: tl.constexpr,
+              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Σ_k W[rows, k] · x[k] · 2^-63 without the row global scale: fp32 [BLOCK_N, BLOCK_K / 8] word sums."""
+    KW: tl.constexpr = BLOCK_K // 8
+    offs_w = tl.arange(0, KW)
+    w_ptrs = w_e + rows[:, None].to(tl.int64) * stride_wn + offs_w[None, :]
+    s_ptrs = s_e + rows[:, None].to(tl.int64) * stride_sn + (offs_w // 2)[None, :]
+    wide = tl.zeros([BLOCK_N, KW], dtype=tl.float32)
+    for kt in tl.static_range(K_TILES):
+        k0 = kt * BLOCK_K
+        if EVEN_K:
+            w = tl.load(w_ptrs + k0 // 8, eviction_policy="evict_first")
+            s = tl.load(s_ptrs + k0 // 16)
+        else:
+            w_ok = offs_w < (K - k0) // 8
+            w = tl.load(w_ptrs + k0 // 8, mask=w_ok[None, :], other=0, eviction_policy="evict_first")
+            s = tl.load(s_ptrs + k0 // 16, mask=w_ok[None, :], other=0.0)
+        wide += word_products(w, x_row, k0, K, EVEN_K, KW) * s.to(tl.float32)
+    return wide
+
+
+@triton.jit
+def _gemv_up_kernel(
+    x_ptr, w_ptr, s_ptr, g_ptr, h_ptr, ids_ptr, I, K,
+    stride_xm, stride_we, stride_wn, stride_se, stride_sn, stride_ge, stride_hm,
+    A_DIV: tl.constexpr, GATED: tl.constexpr, ACT: tl.constexpr, EVEN_K: tl.constexpr, K_TILES: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
+):  # fmt: skip
+    """Grid (pairs, cdiv(I, BN)): h[pair, n] = act(gate_n · x) · (up_n · x) (or act(up_n · x)) in fp32 with
+    x = x[pair / A_DIV]; w_ptr int32 words [E, 2I or I, K / 8]."""
+    pdl_prologue(PDL)
+    pair, pid_n = tl.program_id(0).to(tl.int64), tl.program_id(1)
+    e = tl.load(ids_ptr + pair).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = offs_n % I  # clamped rows: unmasked wide loads, results not stored
+    up_rows = rows + I if GATED else rows
+    w_e, s_e, g_e = w_ptr + e * stride_we, s_ptr + e * stride_se, g_ptr + e * stride_ge
+    x_row = x_ptr + (pair // A_DIV) * stride_xm
+    up = tl.sum(_rows_dot(w_e, s_e, x_row, up_rows, K, stride_wn, stride_sn, EVEN_K, K_TILES, BLOCK_N, BLOCK_K),
+                axis=1) * (tl.load(g_e + up_rows) * FOLD)  # [BN]
+    if GATED:
+        gate = tl.sum(_rows_dot(w_e, s_e, x_row, rows, K, stride_wn, stride_sn, EVEN_K, K_TILES, BLOCK_N, BLOCK_K),
+                      axis=1) * (tl.load(g_e + rows) * FOLD)
+        h = _act(gate, ACT) * up
+    else:
+        h = _act(up, ACT)
+    tl.store(h_ptr + pair * stride_hm + offs_n, h, mask=offs_n < I)
+
+
+@triton.jit
+def _gemv_down_kernel(
+    h_ptr, w_ptr, s_ptr, g_ptr, out_ptr, ids_ptr, topw_ptr, N, K,
+    stride_hm, stride_we, stride_wn, stride_se, stride_sn, stride_ge, stride_om,
+    TOP_K: tl.constexpr, EVEN_K: tl.constexpr, K_TILES: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, PDL: tl.constexpr,
+):  # fmt: skip
+    """Grid (T, cdiv(H, BN)): out[t, n] = Σ_j topk_w[t, j] · (w2[e_j] · h[t·k + j])_n, h fp32 [T·k, K]."""
+    pdl_prologue(PDL)
+    t, pid_n = tl.program_id(0).to(tl.int64), tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = offs_n % N
+    KW: tl.constexpr = BLOCK_K // 8
+    wide = tl.zeros([BLOCK_N, KW], dtype=tl.float32)
+    for j in tl.static_range(TOP_K):
+        pair = t * TOP_K + j
+        e = tl.load(ids_ptr + pair).to(tl.int64)
+        row_scale = tl.load(g_ptr + e * stride_ge + rows) * tl.load(topw_ptr + pair)  # [BN]: global · routing weight
+        part = _rows_dot(w_ptr + e * stride_we, s_ptr + e * stride_se, h_ptr + pair * stride_hm, rows, K, stride_wn,
+                         stride_sn, EVEN_K, K_TILES, BLOCK_N, BLOCK_K)
+        wide += part * row_scale[:, None]  # each expert's row scales inside: one reduction for all k experts
+    total = tl.sum(wide, axis=1) * FOLD
+    tl.store(out_ptr + t * stride_om + offs_n, total.to(out_ptr.dtype.element_ty), mask=offs_n < N)
+
+
+@triton.jit
+def _grouped_kernel(
+    a_ptr, w_ptr, s_ptr, g_ptr, out_ptr, sorted_ptr, block_expert_ptr, offsets_ptr, counts_ptr, N, K,
+    stride_am, stride_we, stride_wn, stride_se, stride_sn, stride_ge, stride_om,
+    A_DIV: tl.constexpr, EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    """Grid (max_blocks, cdiv(N, BN)): rows of expert-sorted block ``pid_m``; input row pair // A_DIV of a
+    [rows, K] (x's dtype), output row = pair; w_ptr bytes [E, N, K / 2]."""
+    pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+    e = tl.load(block_expert_ptr + pid_m)
+    if e < 0:
+        return
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < tl.load(offsets_ptr + e) + tl.load(counts_ptr + e)
+    pair = tl.load(sorted_ptr + rows, mask=row_ok, other=0).to(tl.int64)  # padding rows read row 0
+    src = pair // A_DIV
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    cols = offs_n % N
+    KB: tl.constexpr = BLOCK_K // 2
+    offs_b = tl.arange(0, KB)
+    e64 = e.to(tl.int64)
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + src[:, None] * stride_am + offs_k[None, :]  # [BM, BK]: wide async copies
+    w_ptrs = w_ptr + e64 * stride_we + cols[:, None].to(tl.int64) * stride_wn + offs_b[None, :]  # [BN, KB]
+    s_ptrs = s_ptr + e64 * stride_se + cols[:, None].to(tl.int64) * stride_sn + (offs_b // 8)[None, :]
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)  # W as the MMA's A operand, from registers
+    for kt in range(0, tl.cdiv(K, BLOCK_K)):
+        k0 = kt * BLOCK_K
+        if EVEN_K:
+            a = tl.load(a_ptrs)
+            b = tl.load(w_ptrs)
+            s = tl.load(s_ptrs)
+        else:
+            b_ok = (offs_b < (K - k0) // 2)[None, :]
+            a = tl.load(a_ptrs, mask=(offs_k < K - k0)[None, :], other=0.0)
+            b = tl.load(w_ptrs, mask=b_ok, other=0)
+            s = tl.load(s_ptrs, mask=b_ok, other=0.0)
+        a_even, a_odd = tl.split(tl.reshape(a, [BLOCK_M, KB, 2]))  # [BM, KB] each, in registers
+        lo, hi = dequant_halves(b, s, a.dtype)  # [BN, KB]: weight columns 2c, 2c + 1
+        acc = tl.dot(lo, tl.trans(a_even), acc, input_precision=DOT_PRECISION)  # [BN, BM]
+        acc = tl.dot(hi, tl.trans(a_odd), acc, input_precision=DOT_PRECISION)
+        a_ptrs += BLOCK_K
+        w_ptrs += KB
+        s_ptrs += BLOCK_K // 16
+    acc = acc * tl.load(g_ptr + e64 * stride_ge + cols)[:, None]
+    dst = out_ptr + pair[None, :] * stride_om + offs_n[:, None]
+    tl.store(dst, acc.to(out_ptr.dtype.element_ty), mask=row_ok[None, :] & (offs_n < N)[:, None])
+
+
+def _gemv_meta(k: int, bn: int, width: int) -> dict:
+    """Tile constexprs of a GEMV launch over K columns: tiles of ``width`` columns (a power of two, >= 16)."""
+    bk = max(16, min(width, triton.next_power_of_2(k)))
+    tiles = triton.cdiv(k, bk)
+    return dict(EVEN_K=k % bk == 0, K_TILES=tiles, BLOCK_N=bn, BLOCK_K=bk)
+
+
+def _gemv_moe(x, w13, s13, g13, w2, s2, g2, topk_weights, topk_ids, activation: str) -> torch.Tensor:
+    """Decode: up kernel (GEMM 1, the activation fused when it is one of fp8_moe's), down kernel (GEMM 2 and
+    the weighted sum); every chosen expert's packed weights streamed once."""
+    t, k = topk_ids.shape
+    hidden, inter = w2.shape[1], 2 * w2.shape[2]
+    gated = w13.shape[1] == 2 * inter
+    gpu = on_gpu(x.device)
+    fused = activation in _FUSED_ACTS
+    ids = topk_ids.reshape(-1).contiguous()
+    up_rows = inter if fused else w13.shape[1]  # unfused: every w13 row through, the activation in torch
+    bn1, bn2 = (4, 8) if gpu else (4, 4)
+    w13w, w2w = as_words(w13), as_words(w2)
+    s13, s2 = s13.contiguous(), s2.contiguous()
+    g13, g2 = g13.float().contiguous(), g2.float().contiguous()
+    h = torch.empty(t * k, up_rows, dtype=torch.float32, device=x.device)  # [P, I] (or [P, 2I] unfused)
+    opts = pdl_options(x.device)
+    _gemv_up_kernel[(t * k, triton.cdiv(up_rows, bn1))](
+        x, w13w, s13, g13, h, ids, up_rows, x.shape[1], x.stride(0), w13w.stride(0), w13w.stride(1), s13.stride(0),
+        s13.stride(1), g13.stride(0), h.stride(0), A_DIV=k, GATED=gated and fused,
+        ACT=_FUSED_ACTS[activation] if fused else _IDENTITY, num_warps=2 if gpu else 4, num_stages=1,
+        **_gemv_meta(x.shape[1], bn1, 2048), **opts)  # fmt: skip
+    if not fused:
+        h = act_and_mul(h, activation) if gated else get_activation(activation)(h)  # [P, I] fp32
+        h = h.contiguous()
+    out = torch.empty(t, hidden, dtype=x.dtype, device=x.device)
+    weights = topk_weights.float().reshape(-1).contiguous()
+    _gemv_down_kernel[(t, triton.cdiv(hidden, bn2))](
+        h, w2w, s2, g2, out, ids, weights, hidden, inter, h.stride(0), w2w.stride(0), w2w.stride(1), s2.stride(0),
+        s2.stride(1), g2.stride(0), out.stride(0), TOP_K=k, num_warps=4 if gpu else 4, num_stages=1,
+        **_gemv_meta(inter, bn2, 1024), **opts)  # fmt: skip
+    return out
+
+
+def _grouped_gemm(a: torch.Tensor, w: torch.Tensor, s: torch.Tensor, g: torch.Tensor, a_div: int, num_pairs: int,
+                  align, block_m: int) -> torch.Tensor:
+    """Per-pair rows [pairs, N] of ``a[pair // a_div] @ W[e].T`` in a's dtype."""
+    _, n, half = w.shape
+    k = 2 * half
+    out = torch.empty(num_pairs, n, dtype=a.dtype, device=a.device)
+    gpu = on_gpu(a.device)
+    bn, bk = (128, 64) if gpu else (32, 32)
+    _grouped_kernel[(align.block_expert.shape[0], triton.cdiv(n, bn))](
+        a, w, s, g, out, align.sorted_pair_ids, align.block_expert, align.expert_offsets, align.expert_counts,
+        n, k, a.stride(0), w.stride(0), w.stride(1), s.stride(0), s.stride(1), g.stride(0), out.stride(0),
+        A_DIV=a_div, EVEN_K=k % bk == 0, DOT_PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
+        BLOCK_M=block_m, BLOCK_N=bn, BLOCK_K=bk, num_warps=8 if gpu and block_m >= 64 else 4,
+        num_stages=3 if gpu else 1,
+    )  # fmt: skip
+    return out
+
+
+def fp4_fused_moe(x: torch.Tensor, w13: torch.Tensor, s13: torch.Tensor, g13: torch.Tensor, w2: torch.Tensor,
+                  s2: torch.Tensor, g2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                  activation: str = "silu", grouped: bool | str | None = None) -> torch.Tensor:
+    """``interfaces.Fp4FusedMoE``: x [T, H] (unit last stride) -> [T, H] in x's dtype; ``grouped`` forces a
+    path (False: GEMV, True: grouped, "dequant": unpacked experts and the bf16 MoE; None: by pair count)."""
+    t, k = topk_ids.shape
+    e, rows13, half_h = w13.shape
+    inter = 2 * w2.shape[2]
+    if 2 * half_h != x.shape[1] or w2.shape[:2] != (e, x.shape[1]) or rows13 not in (inter, 2 * inter):
+        raise ValueError(f"fp4_fused_moe: w13 {tuple(w13.shape)} / w2 {tuple(w2.shape)} do not fit x {tuple(x.shape)}")
+    for name, sc, gl, w in (("w13", s13, g13, w13), ("w2", s2, g2, w2)):
+        if sc.dtype != torch.float8_e4m3fn or sc.shape != (*w.shape[:2], w.shape[2] // 8) or gl.shape != w.shape[:2]:
+            raise ValueError(f"fp4_fused_moe: {name} scales {sc.dtype} {tuple(sc.shape)} / global {tuple(gl.shape)} "
+                             f"do not fit the packed weight {tuple(w.shape)}")
+    gated = rows13 == 2 * inter
+    num_pairs = t * k
+    if num_pairs == 0:
+        return x.new_zeros(x.shape)
+    x = x.contiguous()
+    if not (num_pairs > GEMV_MAX_PAIRS if grouped is None else grouped):
+        return _gemv_moe(x, w13, s13, g13, w2, s2, g2, topk_weights, topk_ids, activation)
+    dequant_from = tuning.kernel_config("armillary.kernels", "fp4_moe", "default", DEFAULTS,
+                                        x.device if on_gpu(x.device) else None)["dequant_min_pairs"]
+    if grouped == "dequant" or (grouped is None and dequant_from and num_pairs >= dequant_from):
+        from armillary.kernels.triton import moe as bf16_moe
+
+        return bf16_moe.fused_moe(x, dequantize(w13, s13, g13, x.dtype), dequantize(w2, s2, g2, x.dtype),
+                                  topk_weights, topk_ids, activation)
+    block_m = 64 if on_gpu(x.device) and num_pairs >= 1024 else 16
+    align = moe_align(topk_ids, e, block_m)
+    g13, g2 = g13.float().contiguous(), g2.float().contiguous()
+    w13, w2, s13, s2 = w13.contiguous(), w2.contiguous(), s13.contiguous(), s2.contiguous()
+    h = _grouped_gemm(x, w13, s13, g13, k, num_pairs, align, block_m)  # [P, 2I] in x's dtype, as the reference
+    h = act_and_mul(h, activation) if gated else get_activation(activation)(h)  # [P, I]
+    y = _grouped_gemm(h.contiguous(), w2, s2, g2, 1, num_pairs, align, block_m)  # [P, H]
+    out = (y.view(t, k, -1).float() * topk_weights.float().unsqueeze(-1)).sum(1)  # [T, H]
+    return out.to(x.dtype)
