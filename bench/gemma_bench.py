@@ -229,8 +229,8 @@ def bench_model(name: str, cfg: dict, args, bw: float) -> dict:
         if name == "gemma3":
             out["kv_32k"] = kv_held_ratio(ours, cfg, p32k)
         out["startup_s"] = ours.startup
+        ours.llm.shutdown()  # its weights and caches back before the next model loads
         del ours
-        gc.unfreeze()  # the engine froze every object it saw: its cycles are collectable again only so
         gc.collect()
         if dev == "cuda":
             torch.cuda.empty_cache()

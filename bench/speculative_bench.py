@@ -89,8 +89,8 @@ def main() -> None:
         add(("plain decode step, eager (ms)", eager_step * 1e3))
         add(("verify step / eager plain step", verify_step / eager_step))
         runner.proposer, sched.num_drafts = proposer, k
+        spec.llm.shutdown()  # its weights and caches back before the next engine loads
         del spec, runner, sched, proposer
-        gc.unfreeze()  # the engine froze every object it saw: its cycles are collectable again only so
         gc.collect()
         if args.device == "cuda":
             torch.cuda.empty_cache()

@@ -115,6 +115,17 @@ class LLMEngine:
         self._last_step_done = 0.0  # perf_counter when the latest step's tokens were read
         self.num_async_steps = 0  # steps launched before their inputs were on the host
 
+    def shutdown(self) -> None:
+        """Give back the weights, caches and graphs, so another engine fits in this process; the engine
+        is unusable after. Start-up's ``gc.freeze`` parked the engine's reference cycles: unfreeze first."""
+        self._inflight = None
+        self.requests.clear()
+        del self.worker, self.cache, self.scheduler
+        gc.unfreeze()
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
     @property
     def model(self):
         return self.worker.model
@@ -185,6 +196,8 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None) -> None:
         """Queue a request; raises ``InvalidRequestError`` without holding anything on bad input."""
         params = params or SamplingParams()
+        if not hasattr(self, "worker"):
+            raise RuntimeError("this engine was shut down")
         if request_id in self.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         text, ids = self._tokenize(prompt)

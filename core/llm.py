@@ -25,6 +25,10 @@ class LLM:
     def get_tokenizer(self):
         return self.engine.tokenizer
 
+    def shutdown(self) -> None:
+        """Free what the engine holds on the device (``LLMEngine.shutdown``); this LLM is unusable after."""
+        self.engine.shutdown()
+
     def default_sampling_params(self) -> SamplingParams:
         """``SamplingParams()`` with the checkpoint's generation_config.json defaults, as vLLM does."""
         gen = self.engine.generation_defaults
