@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from qwen_bench import copy_bandwidth, sync  # the same measurement in every driver
+from qwen_bench import Ours, copy_bandwidth, sync  # the same measurement and engine driver in every bench
 
 TARGETS = {"decode tok/s, batch 1": 350.0, "decode tok/s, 64 streams": 3000.0, "prefill tok/s, 16K": 40000.0}
 
@@ -65,52 +65,6 @@ def decode_bytes(cfg: dict, batch: int, context: int) -> float:
     router = (layers - dense) * h * e * 4  # float32 router weights
     latents = batch * layers * kv_bytes_per_token_layer(cfg)[0] * context
     return weights + router + latents
-
-
-class Ours:
-    def __init__(self, path: Path, device: str, max_len: int, max_seqs: int, eager: bool) -> None:
-        from armillary import LLM
-
-        t = time.perf_counter()
-        self.llm = LLM(str(path), load_format="dummy", dtype="bfloat16", device=device, max_model_len=max_len,
-                       max_num_seqs=max_seqs, max_num_batched_tokens=16384, enforce_eager=eager,
-                       gpu_memory_utilization=0.88)
-        self.startup = time.perf_counter() - t
-        self.engine = self.llm.engine
-        self.device = device
-        self.vocab = min(self.engine.hf_config.vocab_size, 150000)
-        self.ids = 0
-
-    def _prompt(self, n: int) -> list[int]:
-        g = torch.Generator().manual_seed(n + self.ids)
-        return torch.randint(10, self.vocab, (n,), generator=g).tolist()
-
-    def run(self, batch: int, prompt_len: int, new: int) -> dict:
-        """Submit ``batch`` requests at once; returns TTFT, and decode tok/s after every prefill is done."""
-        from armillary import SamplingParams
-
-        params = SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True)
-        sync(self.device)
-        t0 = time.perf_counter()
-        for _ in range(batch):
-            self.ids += 1
-            self.engine.add_request(f"b{self.ids}", self._prompt(prompt_len), params)
-        first: dict[str, float] = {}
-        counts: dict[str, int] = {}
-        t_all_first, tokens_at = None, 0
-        while self.engine.has_unfinished_requests():
-            outs = self.engine.step()
-            now = time.perf_counter()
-            for o in outs:
-                counts[o.request_id] = len(o.outputs[0].token_ids)
-                first.setdefault(o.request_id, now)
-            if t_all_first is None and len(first) == batch:
-                t_all_first, tokens_at = now, sum(counts.values())
-        sync(self.device)
-        t_end = time.perf_counter()
-        decoded = sum(counts.values()) - tokens_at
-        return {"ttft": min(first.values()) - t0, "decode_tok_s": decoded / (t_end - t_all_first) if decoded
-                else float("nan"), "total_s": t_end - t0}
 
 
 def hf_bench(cfg_dict: dict, device: str, prompt_len: int, new: int, prefill_len: int) -> dict:

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from qwen_bench import copy_bandwidth, sync  # the same measurement in every driver
+from qwen_bench import Ours as QwenOurs, copy_bandwidth, sync  # the same measurement and driver in every bench
 
 NANO_PATTERN = "MEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEMEM*EMEMEMEME"
 
@@ -71,55 +71,16 @@ def decode_bytes(cfg: dict, batch: int, context: int) -> float:
     return n_mamba * (mamba + mamba_state) + n_attn * (attn + kv) + n_moe * moe + 2 * v * h
 
 
-class Ours:
-    def __init__(self, path: Path, device: str, max_len: int, max_seqs: int, eager: bool, **engine_args) -> None:
-        from armillary import LLM
+class Ours(QwenOurs):
+    """The shared engine driver, with the routers' correction bias zeroed (see the module docstring)."""
 
-        t = time.perf_counter()
-        self.llm = LLM(str(path), load_format="dummy", dtype="bfloat16", device=device, max_model_len=max_len,
-                       max_num_seqs=max_seqs, max_num_batched_tokens=16384, enforce_eager=eager,
-                       gpu_memory_utilization=0.88, **engine_args)
-        self.startup = time.perf_counter() - t
-        self.engine = self.llm.engine
-        self.device = device
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
         self.vocab = self.engine.hf_config.vocab_size
-        self.ids = 0
         with torch.no_grad():
             for layer in self.engine.model.backbone.layers:
                 if layer.kind == "moe":
-                    layer.mixer.gate.e_score_correction_bias.zero_()  # see the module docstring
-
-    def _prompt(self, n: int) -> list[int]:
-        g = torch.Generator().manual_seed(n + self.ids)
-        return torch.randint(10, self.vocab, (n,), generator=g).tolist()
-
-    def run(self, batch: int, prompt_len: int, new: int) -> dict:
-        """Submit ``batch`` requests at once; returns TTFT, and decode tok/s after every prefill is done."""
-        from armillary import SamplingParams
-
-        params = SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True)
-        sync(self.device)
-        t0 = time.perf_counter()
-        for _ in range(batch):
-            self.ids += 1
-            self.engine.add_request(f"b{self.ids}", self._prompt(prompt_len), params)
-        first: dict[str, float] = {}
-        counts: dict[str, int] = {}
-        t_all_first, tokens_at = None, 0
-        while self.engine.has_unfinished_requests():
-            outs = self.engine.step()
-            now = time.perf_counter()
-            for o in outs:
-                counts[o.request_id] = len(o.outputs[0].token_ids)
-                first.setdefault(o.request_id, now)
-            if t_all_first is None and len(first) == batch:
-                t_all_first, tokens_at = now, sum(counts.values())
-        sync(self.device)
-        t_end = time.perf_counter()
-        decoded = sum(counts.values()) - tokens_at
-        return {"ttft": min(first.values()) - t0, "ttft_last": max(first.values()) - t0,
-                "decode_tok_s": decoded / (t_end - t_all_first) if decoded else float("nan"),
-                "total_s": t_end - t0}
+                    layer.mixer.gate.e_score_correction_bias.zero_()
 
 
 def hf_bench(cfg_dict: dict, device: str, prompt_len: int, new: int, prefill_len: int) -> dict:

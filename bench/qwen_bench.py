@@ -106,14 +106,11 @@ class Ours:
         from armillary import SamplingParams
 
         params = SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True)
-        rids = []
         sync(self.device)
         t0 = time.perf_counter()
         for _ in range(batch):
             self.ids += 1
-            rid = f"b{self.ids}"
-            self.engine.add_request(rid, self._prompt(prompt_len), params)
-            rids.append(rid)
+            self.engine.add_request(f"b{self.ids}", self._prompt(prompt_len), params)
         first: dict[str, float] = {}
         counts: dict[str, int] = {}
         t_all_first = None
