@@ -3,7 +3,8 @@
 ``linear_shapes(model)``: {(N, K): [layer names]} of every ``ops.linear`` a decode step makes (the
 stacked linear layers, and the head where the model computes logits through ``ops.linear``);
 ``moe_shapes(model)``: the distinct ``FusedMoE`` operand shapes (experts incl. the stacked shared
-ones, pairs per token, H, I, activation, gated). The configs are the benches' own (``nano_config``,
+ones, pairs per token, H, I, activation, gated); ``gemma_fused_gemv_shapes(model)``: the gemma plugin's
+fused decode GEMVs (GeGLU down projections, the soft-capped head). The configs are the benches' own (``nano_config``,
 ``real_config``, ``GEMMA4_26B_A4B`` / ``GEMMA3_27B``, Qwen3.6-35B-A3B), so the sweeps
 (``skinny_gemm.py`` / ``moe_gemv.py --model``) and the table tests see the same shapes.
 """
@@ -118,6 +119,20 @@ def moe_shapes(model: str) -> list[MoeShape]:
     return sorted(found, key=lambda s: (s.hidden, s.inter))
 
 
+def gemma_fused_gemv_shapes(model: str) -> list[tuple[str, int, int]]:
+    """(kind, N, K) of the gemma plugin's fused decode GEMVs (``armillary_gemma.ops.gemv``): each dense MLP's
+    down projection with the GeGLU inside, and the tied head with the soft-cap inside (when the model caps)."""
+    if model not in ("gemma4", "gemma3"):
+        return []
+    from armillary_gemma.layers import GemmaMLP
+
+    net = meta_model(model)
+    found = {("geglu", *mod.down_proj.weight.shape) for mod in net.modules() if isinstance(mod, GemmaMLP)}
+    if net.args.final_softcap:
+        found.add(("softcap", *_head_through_ops(model, net)))
+    return sorted(found)
+
+
 def table_decisions(model: str, rows: tuple[int, ...] = (1, 2, 4, 8)) -> dict:
     """What the "auto" backend picks on an sm_90 GPU for ``model``'s decode calls, from the shipped tables
     (the caller makes ``tuning.device_target`` answer "sm_90" off a GPU): {"linear": {(N, K, M): skinny
@@ -145,3 +160,5 @@ if __name__ == "__main__":
             print(f"  linear n{n}_k{k}: {', '.join(layers)}")
         for s in moe_shapes(name):
             print(f"  moe {s}")
+        for kind, n, k in gemma_fused_gemv_shapes(name):
+            print(f"  gemma_gemv {kind}_n{n}_k{k}")

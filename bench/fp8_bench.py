@@ -13,10 +13,17 @@ the JSON written to ``$OUT/fp8_bench.json``):
 - ``logits``: 256 greedy decode steps on the fast path (Triton, eager so every logits row is
   seen) vs the reference backend (weights dequantized into bf16 by the torch references):
   tokens agreeing and the logits' relative error while they agree.
+- ``kernels``: the fp8 GEMMs alone at the model's projection shapes (CUDA-graph replays, weights
+  rotated past L2, from bench/fp8_gpu_checks.py): prefill rows 128-16384 on the Triton GEMM vs
+  cuBLAS's block-scaled ``torch._scaled_mm`` (both with the activation quantization, which is
+  also timed alone: where cuBLAS starts winning is ``fp8_scaled_mm.MIN_ROWS``), decode rows 2-64
+  on the skinny GEMM with the integer e4m3 -> bf16 widening vs Triton's cast vs bf16 cuBLAS, and
+  the grouped MoE at 2048 / 16384 tokens with 64- vs 128-row tiles.
 
     python bench/fp8_bench.py --phase speed
     python bench/fp8_bench.py --phase kv
     python bench/fp8_bench.py --phase logits
+    python bench/fp8_bench.py --phase kernels
     python bench/fp8_bench.py --tiny --device cpu --phase speed,kv,logits   # smoke test of the driver
 """
 from __future__ import annotations
@@ -194,6 +201,58 @@ def phase_logits(path: Path, args, s: int) -> None:
         report("logits relative error (max)", err.max().item())
 
 
+def phase_kernels(args) -> None:
+    from fp8_gpu_checks import E, H, I_MOE, LINEARS, TOP_K, bench_us, linear_weights
+
+    from armillary.kernels import fp8 as ref
+    from armillary.kernels.triton import fp8_gemm, fp8_moe, fp8_scaled_mm
+
+    dev = torch.device(args.device)
+    if dev.type != "cuda":
+        print("kernels phase: GPU only", flush=True)
+        return
+    for name, (n, k) in LINEARS.items():
+        ws = linear_weights(dev, n, k)
+        c = len(ws)
+        for m in (128, 256, 512, 1024, 2048, 4096, 16384):
+            x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+            flop = 2 * m * n * k
+            for label, cfg in (("Triton GEMM", dict(prefill=True, scaled_mm=False)),
+                               ("cuBLAS _scaled_mm", dict(prefill=True, scaled_mm=True))):
+                if cfg["scaled_mm"] and not (fp8_scaled_mm.fits(m, x, ws[0][0], ws[0][1], 128, 128, min_rows=0)
+                                             and fp8_scaled_mm.ready(dev, fp8_gemm.quantize_act)):
+                    print(f"fp8_linear {name} M={m} {label}: unavailable ({fp8_scaled_mm.status(dev)})", flush=True)
+                    continue
+                us = bench_us(lambda i, cfg=cfg: fp8_gemm.fp8_linear(x, *ws[i % c], 128, 128, config=dict(cfg)),
+                              iters=max(4, c))
+                report(f"fp8_linear {name} M={m} {label} us", us, f"{flop / us / 1e6:.0f} TFLOP/s")
+            us = bench_us(lambda i: fp8_gemm.quantize_act(x, 128, fp8_scaled_mm.padded_rows(m)), iters=8)
+            report(f"quantize_act [{m}, {k}] us", us, f"{m * k * 3 / us / 1e3:.0f} GB/s")
+        dense = [ref.dequantize(q, sc, 128, 128, torch.bfloat16) for q, sc in ws]
+        for m in (2, 4, 8, 16, 32, 64):
+            x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+            fp8_bytes = n * k * (1 + 4 / 128 ** 2) + 2 * m * (n + k)
+            for label, cfg in (("integer widening", {}), ("Triton's e4m3 cast", dict(fast_bf16=False))):
+                us = bench_us(lambda i, cfg=cfg: fp8_gemm.fp8_linear(x, *ws[i % c], 128, 128, config=dict(cfg)),
+                              iters=c * 4)
+                report(f"fp8 skinny {name} M={m} {label} us", us, f"{fp8_bytes / us / 1e3:.0f} GB/s")
+            us = bench_us(lambda i: torch.nn.functional.linear(x, dense[i % c]), iters=c * 4)
+            report(f"bf16 cuBLAS {name} M={m} us", us, f"{(2 * n * k + 2 * m * (n + k)) / us / 1e3:.0f} GB/s")
+        del dense, ws
+    w13, s13 = ref.quantize_blocks(torch.randn(E, 2 * I_MOE, H, device=dev) * 0.02, 128, 128)
+    w2, s2 = ref.quantize_blocks(torch.randn(E, H, I_MOE, device=dev) * 0.02, 128, 128)
+    for t in (2048, 16384):
+        x = torch.randn(t, H, device=dev, dtype=torch.bfloat16)
+        gen = torch.Generator(device=dev).manual_seed(t)
+        routes = [torch.topk(torch.randn(t, E, device=dev, generator=gen).softmax(-1), TOP_K, dim=-1) for _ in range(4)]
+        flop = 2 * t * TOP_K * 3 * H * I_MOE
+        for block_m in (64, 128):
+            us = bench_us(lambda j, bm=block_m: fp8_moe.fp8_fused_moe(x, w13, s13, w2, s2, 128, 128,
+                                                                      *routes[j % 4], "silu", block_m=bm), 4)
+            report(f"fp8_fused_moe grouped T={t} {block_m}-row tiles us", us,
+                   f"{flop / us / 1e6:.0f} TFLOP/s{' (default)' if block_m == fp8_moe.grouped_block_m(t * TOP_K, E, True) else ''}")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--device", default="cuda")
@@ -217,8 +276,10 @@ def main() -> int:
                 phase_kv(path, cfg, args, bw, s)
             elif phase == "logits":
                 phase_logits(path, args, s)
+            elif phase == "kernels":
+                phase_kernels(args)
             else:
-                raise SystemExit(f"unknown phase {phase!r}: speed, kv, logits")
+                raise SystemExit(f"unknown phase {phase!r}: speed, kv, logits, kernels")
     if os.environ.get("OUT"):
         Path(os.environ["OUT"], "fp8_bench.json").write_text(json.dumps(RESULTS, indent=1))
     return 0

@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from hf_baseline import transformers_baseline, without  # the same transformers comparison in every bench
 from qwen_bench import copy_bandwidth, sync  # the same measurement in every driver
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "plugins" / "gemma"))  # when not pip-installed
@@ -171,36 +172,9 @@ def hf_bench(cfg_dict: dict, device: str, prompt_len: int, new: int, prefill_len
     gemma3 = cfg_dict["model_type"] == "gemma3_text"
     config_cls, model_cls = ((tf.Gemma3TextConfig, tf.Gemma3ForCausalLM) if gemma3
                              else (tf.Gemma4TextConfig, tf.Gemma4ForCausalLM))
-    cfg = config_cls(**{k: v for k, v in cfg_dict.items() if k not in ("architectures", "model_type", "dtype")})
-    with torch.device(device):
-        model = model_cls._from_config(cfg, dtype=torch.bfloat16).eval()
-    res, vocab = {}, min(cfg.vocab_size, 250_000)
-    for b in (1, 64):
-        ids = torch.randint(10, vocab, (b, prompt_len), device=device)
-        with torch.no_grad():
-            model.generate(ids, max_new_tokens=2, min_new_tokens=2, do_sample=False)  # warm-up
-            sync(device)
-            t = time.perf_counter()
-            model.generate(ids, max_new_tokens=1, min_new_tokens=1, do_sample=False)
-            sync(device)
-            t_prefill = time.perf_counter() - t
-            t = time.perf_counter()
-            model.generate(ids, max_new_tokens=new, min_new_tokens=new, do_sample=False)
-            sync(device)
-            res[f"decode_b{b}"] = b * (new - 1) / (time.perf_counter() - t - t_prefill)
-    ids = torch.randint(10, vocab, (1, prefill_len), device=device)
-    with torch.no_grad():
-        model(ids[:, :256])
-        sync(device)
-        t = time.perf_counter()
-        model(ids, logits_to_keep=1)
-        sync(device)
-        res["prefill"] = prefill_len / (time.perf_counter() - t)
-    del model
-    gc.collect()
-    if device == "cuda":
-        torch.cuda.empty_cache()
-    return res
+    cfg = config_cls(**without(cfg_dict, "architectures", "model_type", "dtype"))
+    return transformers_baseline(model_cls, cfg, device, prompt_len, new, prefill_len, batches=(1, 64),
+                                 vocab_cap=250_000)
 
 
 def bench_model(name: str, cfg: dict, args, bw: float) -> dict:

@@ -13,16 +13,13 @@ writes JSON to ``$OUT/glm_flash_bench.json`` when ``$OUT`` is set.
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import os
 import tempfile
-import time
 from pathlib import Path
 
-import torch
-
-from qwen_bench import Ours, copy_bandwidth, sync  # the same measurement and engine driver in every bench
+from hf_baseline import transformers_baseline, without  # the same transformers comparison in every bench
+from qwen_bench import Ours, copy_bandwidth  # the same measurement and engine driver in every bench
 
 TARGETS = {"decode tok/s, batch 1": 350.0, "decode tok/s, 64 streams": 3000.0, "prefill tok/s, 16K": 40000.0}
 
@@ -71,41 +68,9 @@ def hf_bench(cfg_dict: dict, device: str, prompt_len: int, new: int, prefill_len
     """transformers on the same config, random bf16 weights: decode tok/s at batch 1 and 8, 16K prefill."""
     import transformers as tf
 
-    cfg = tf.Glm4MoeLiteConfig(**{k: v for k, v in cfg_dict.items() if k not in ("architectures", "dtype")})
-    with torch.device(device):
-        model = tf.Glm4MoeLiteForCausalLM._from_config(cfg, dtype=torch.bfloat16).eval()
-    res = {}
-    vocab = min(cfg.vocab_size, 150000)
-    for b in (1, 8):
-        ids = torch.randint(10, vocab, (b, prompt_len), device=device)
-        kw = dict(attention_mask=torch.ones_like(ids), pad_token_id=0, do_sample=False)
-        with torch.no_grad():
-            model.generate(ids, max_new_tokens=2, min_new_tokens=2, **kw)  # warm-up
-            sync(device)
-            t = time.perf_counter()
-            model.generate(ids, max_new_tokens=1, min_new_tokens=1, **kw)
-            sync(device)
-            t_prefill = time.perf_counter() - t
-            t = time.perf_counter()
-            model.generate(ids, max_new_tokens=new, min_new_tokens=new, **kw)
-            sync(device)
-            dt = time.perf_counter() - t - t_prefill
-        res[f"decode_b{b}"] = b * (new - 1) / dt
-        print(f"transformers decode batch {b}: {res[f'decode_b{b}']:.1f} tok/s", flush=True)
-    ids = torch.randint(10, vocab, (1, prefill_len), device=device)
-    with torch.no_grad():
-        model(ids[:, :256])
-        sync(device)
-        t = time.perf_counter()
-        model(ids, logits_to_keep=1)
-        sync(device)
-        res["prefill"] = prefill_len / (time.perf_counter() - t)
-    print(f"transformers prefill {prefill_len}: {res['prefill']:.0f} tok/s", flush=True)
-    del model
-    gc.collect()
-    if device == "cuda":
-        torch.cuda.empty_cache()
-    return res
+    cfg = tf.Glm4MoeLiteConfig(**without(cfg_dict, "architectures", "dtype"))
+    return transformers_baseline(tf.Glm4MoeLiteForCausalLM, cfg, device, prompt_len, new, prefill_len,
+                                 vocab_cap=150000, explicit_mask=True, verbose=True)
 
 
 def main() -> None:

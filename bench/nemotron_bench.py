@@ -17,16 +17,15 @@ writes it to ``--out`` (and JSON to ``$OUT/nemotron_bench.json`` when ``$OUT`` i
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import os
 import tempfile
-import time
 from pathlib import Path
 
 import torch
 
-from qwen_bench import Ours as QwenOurs, copy_bandwidth, sync  # the same measurement and driver in every bench
+from hf_baseline import transformers_baseline, without  # the same transformers comparison in every bench
+from qwen_bench import Ours as QwenOurs, copy_bandwidth  # the same measurement and driver in every bench
 
 NANO_PATTERN = "MEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEMEM*EMEMEMEME"
 
@@ -87,37 +86,8 @@ def hf_bench(cfg_dict: dict, device: str, prompt_len: int, new: int, prefill_len
     """transformers on the same config, random bf16 weights: decode tok/s at batch 1 and 8, 16K prefill."""
     import transformers as tf
 
-    cfg = tf.NemotronHConfig(**{k: v for k, v in cfg_dict.items() if k not in ("architectures",)})
-    with torch.device(device):
-        model = tf.NemotronHForCausalLM._from_config(cfg, dtype=torch.bfloat16).eval()
-    res = {}
-    for b in (1, 8):
-        ids = torch.randint(10, cfg.vocab_size, (b, prompt_len), device=device)
-        with torch.no_grad():
-            model.generate(ids, max_new_tokens=2, min_new_tokens=2, do_sample=False)  # warm-up
-            sync(device)
-            t = time.perf_counter()
-            model.generate(ids, max_new_tokens=1, min_new_tokens=1, do_sample=False)
-            sync(device)
-            t_prefill = time.perf_counter() - t
-            t = time.perf_counter()
-            model.generate(ids, max_new_tokens=new, min_new_tokens=new, do_sample=False)
-            sync(device)
-            dt = time.perf_counter() - t - t_prefill
-        res[f"decode_b{b}"] = b * (new - 1) / dt
-    ids = torch.randint(10, cfg.vocab_size, (1, prefill_len), device=device)
-    with torch.no_grad():
-        model(ids[:, :256])
-        sync(device)
-        t = time.perf_counter()
-        model(ids, logits_to_keep=1)
-        sync(device)
-        res["prefill"] = prefill_len / (time.perf_counter() - t)
-    del model
-    gc.collect()
-    if device == "cuda":
-        torch.cuda.empty_cache()
-    return res
+    cfg = tf.NemotronHConfig(**without(cfg_dict, "architectures"))
+    return transformers_baseline(tf.NemotronHForCausalLM, cfg, device, prompt_len, new, prefill_len)
 
 
 def main() -> None:

@@ -5,8 +5,10 @@
    transformers' tokens (4 prompts up to 100 tokens, 32 steps, batched, 64-token step budget).
 2. Kernels at the Nemotron-3-Nano sizes (64 heads x 64, 8 groups, state 128, conv 6144 channels,
    128 experts top-6 relu² at 2688 -> 1856, shared 2 x 1856), fp32 and bf16, against the naive
-   references: the varlen SSD scan from and into slot states (sequences of 1, 777 and 2051
-   tokens), the fused decode step (conv, state update, gated norm) at batch 1 and 64, 3 launches in a
+   references: the varlen SSD scan from and into slot states, serial and chunk-parallel (sequences of
+   1, 777 and 2051 tokens, then one of 16384), the prefill's grouped gated norm reading z in place
+   (16K rows), the router's fp32 logits kernels (bf16 x, 1 to 16K rows: fp32 accuracy, the top-6
+   ids as the fp32 GEMM's), the fused decode step (conv, state update, gated norm) at batch 1 and 64, 3 launches in a
    row at 64 and num_warps 4 and 16 (a failing one adds its max abs errors and the first (batch,
    head) that is off), the sigmoid router with n_group 1 and 8, the relu² fused MoE at 1, 64 and
    2048 tokens. Relative errors must stay under 1e-4 (fp32; the Triton dots use TF32 elsewhere,
@@ -15,7 +17,8 @@
    bias and D at working scales): 64 greedy decode steps through the
    Triton kernels with CUDA graphs against the reference kernels on the same weights: tokens, and
    the per-step relative logits error while the tokens agree (< 1e-3).
-``--sweep`` adds timings of the Mamba kernels' launch configs (to fill tuning/sm_90.json).
+``--sweep`` adds timings of the Mamba kernels' launch configs, serial and chunked scan, and of the
+router kernels against ``F.linear(x.float(), W)`` (to fill tuning/sm_90.json).
 
     python bench/nemotron_gpu_checks.py [--sweep] [--out checks.md]
 """
@@ -39,7 +42,9 @@ from armillary.kernels.norm import gated_rms_norm  # noqa: E402
 from armillary.kernels import ops  # noqa: E402
 from armillary.kernels.triton import moe as tri_moe  # noqa: E402
 from armillary.kernels.triton import moe_routing  # noqa: E402
+from armillary_nemotron.ops import router as tri_router  # noqa: E402
 from armillary_nemotron.ops.mamba import decode as tri_decode  # noqa: E402
+from armillary_nemotron.ops.mamba.gated_norm import gated_group_norm  # noqa: E402
 from armillary_nemotron.ops.mamba import ssd_scan as tri_scan  # noqa: E402
 from armillary_nemotron.ops.mamba.naive import (  # noqa: E402
     causal_conv1d_update_ref,
@@ -49,6 +54,7 @@ from armillary_nemotron.ops.mamba.naive import (  # noqa: E402
 from plugins.nemotron.tests.hf_models import CASES, make_reference, nemotron_registry  # noqa: E402
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
+SCAN_PATHS = {"serial": {"chunked_min_tokens": 1 << 30}, "chunked": {"chunked_min_tokens": 0}}
 H, P, G, N, HIDDEN, E, K, INTER = 64, 64, 8, 128, 2688, 128, 6, 1856
 DEV = "cuda"
 
@@ -127,8 +133,8 @@ def decode_check(lines: list[str], dtype: torch.dtype, tol: float, batch: int, s
         y = selective_state_update_ref(xa.reshape(batch, H, P), dt, A, Ba.reshape(batch, G, N),
                                        Ca.reshape(batch, G, N), D, dt_bias, 1e-3, pool_ref, slots)
         ref = gated_rms_norm(y.reshape(batch, H * P), z, norm_w, 1e-5, group_size=H * P // G, norm_before_gate=False)
-        got = tri_decode.mamba_decode_step(xbc, z, dt, w, bias, c_tri, A, D, dt_bias, 1e-3, norm_w, 1e-5, pool_tri,
-                                           slots, H, P, config=config)
+        got = tri_decode.mamba_decode_step(xbc, z, dt, w, bias, c_tri, torch.log(-A), D, dt_bias, 1e-3, norm_w, 1e-5,
+                                           pool_tri, slots, H, P, config=config)
     if DEV == "cuda":
         torch.cuda.synchronize()
     errs = (rel(got, ref), rel(c_tri, c_ref), rel(pool_tri, pool_ref))
@@ -142,23 +148,63 @@ def decode_check(lines: list[str], dtype: torch.dtype, tol: float, batch: int, s
         lines.append(f"  states: {_where_bad(pool_tri[slots], pool_ref[slots], tol)}")
 
 
+def scan_check(lines: list[str], name: str, tol: float, lengths: list[int]) -> None:
+    """Both scan paths against the reference on the same packed sequences and slot states."""
+    dtype = getattr(torch, name)
+    bounds = [0]
+    for n in lengths:
+        bounds.append(bounds[-1] + n)
+    cu = torch.tensor(bounds, dtype=torch.int32, device=DEV)
+    _, x, B, C, dt, A, D, dt_bias, states = _mamba_inputs(bounds[-1], 5, dtype, 1)
+    slots = torch.tensor([4, 0, 2][: len(lengths)], device=DEV)
+    pool_ref = states.clone()
+    y_ref = ssd_chunk_scan_ref(x.reshape(-1, H, P), dt, A, B.reshape(-1, G, N), C.reshape(-1, G, N), D, dt_bias,
+                               1e-3, 128, cu.tolist(), pool_ref, slots)
+    for path, cfg in SCAN_PATHS.items():
+        pool_tri = states.clone()
+        y = tri_scan.ssd_chunk_scan(x, B, C, dt, torch.log(-A), D, dt_bias, 1e-3, cu, pool_tri, slots, H, P,
+                                    config=cfg)
+        e1, e2 = rel(y.reshape(-1, H, P), y_ref), rel(pool_tri, pool_ref)
+        lines.append(f"ssd scan {path} {name} lengths {lengths}: rel err y {e1:.1e}, states {e2:.1e}: "
+                     f"{'ok' if max(e1, e2) < tol else 'FAIL'}")
+
+
+def gated_norm_check(lines: list[str], dtype: torch.dtype, tol: float) -> None:
+    """The prefill's grouped gated norm, z a column view of an in_proj-wide output, against core's reference."""
+    rows = 16384 if DEV == "cuda" else 9
+    gen = torch.Generator(device=DEV).manual_seed(2)
+    projected = torch.randn(rows, 2 * H * P + 2 * G * N + H, device=DEV, generator=gen).to(dtype)
+    z, y = projected[:, : H * P], torch.randn(rows, H * P, device=DEV, generator=gen).to(dtype)
+    w = (1 + 0.3 * torch.randn(H * P, device=DEV, generator=gen)).to(dtype)
+    ref = gated_rms_norm(y.float(), z.float(), w.float(), 1e-5, group_size=H * P // G, norm_before_gate=False)
+    err = rel(gated_group_norm(y, z, w, 1e-5, H * P // G), ref)
+    lines.append(f"gated group norm {str(dtype).removeprefix('torch.')} {rows} rows (z in place): rel err {err:.1e}: "
+                 f"{'ok' if err < tol else 'FAIL'}")
+
+
+def router_logits_check(lines: list[str]) -> None:
+    """bf16 x, fp32 W [E, HIDDEN]: fp32 accuracy at every row count, and the same top-K ids as the fp32 GEMM."""
+    gen = torch.Generator(device=DEV).manual_seed(4)
+    weight = torch.randn(E, HIDDEN, device=DEV, generator=gen) * 0.02
+    for rows in (1, 3, 8, 64, 16384) if DEV == "cuda" else (1, 3, 8):  # the interpreter's bf16 tl.dot is inexact
+        x = torch.randn(rows, HIDDEN, device=DEV, generator=gen).to(torch.bfloat16)
+        ref = torch.nn.functional.linear(x.double(), weight.double()).float()
+        got = tri_router.router_logits(x, weight)
+        fp32 = torch.nn.functional.linear(x.float(), weight)
+        err, err_fp32 = rel(got, ref), rel(fp32, ref)
+        same = (got.topk(K, dim=-1).indices.sort(-1).values == fp32.topk(K, dim=-1).indices.sort(-1).values)
+        diff_rows = int((~same.all(-1)).sum())
+        lines.append(f"router logits bf16 x {rows} rows: rel err {err:.1e} (fp32 GEMM {err_fp32:.1e}), rows whose "
+                     f"top-{K} ids differ from the fp32 GEMM's {diff_rows}: {'ok' if err < 1e-6 else 'FAIL'}")
+
+
 def kernel_checks(lines: list[str]) -> None:
+    router_logits_check(lines)
     for dtype, tol in ((torch.float32, 1e-4), (torch.bfloat16, 2e-2)):
         name = str(dtype).removeprefix("torch.")
-        lengths = [1, 777, 2051] if DEV == "cuda" else [1, 37, 20]
-        bounds = [0]
-        for n in lengths:
-            bounds.append(bounds[-1] + n)
-        cu = torch.tensor(bounds, dtype=torch.int32, device=DEV)
-        _, x, B, C, dt, A, D, dt_bias, states = _mamba_inputs(bounds[-1], 5, dtype, 1)
-        slots = torch.tensor([4, 0, 2], device=DEV)
-        pool_ref, pool_tri = states.clone(), states.clone()
-        y_ref = ssd_chunk_scan_ref(x.reshape(-1, H, P), dt, A, B.reshape(-1, G, N), C.reshape(-1, G, N), D, dt_bias,
-                                   1e-3, 128, cu.tolist(), pool_ref, slots)
-        y = tri_scan.ssd_chunk_scan(x, B, C, dt, A, D, dt_bias, 1e-3, cu, pool_tri, slots, H, P)
-        e1, e2 = rel(y.reshape(-1, H, P), y_ref), rel(pool_tri, pool_ref)
-        lines.append(f"ssd scan {name} lengths {lengths}: rel err y {e1:.1e}, states {e2:.1e}: "
-                     f"{'ok' if max(e1, e2) < tol else 'FAIL'}")
+        for lengths in ([1, 777, 2051], [16384]) if DEV == "cuda" else ([1, 37, 20],):
+            scan_check(lines, name, tol, lengths)
+        gated_norm_check(lines, dtype, tol)
         for batch, steps, warps in ((1, 1, None), (64, 1, None), (64, 3, None), (64, 1, 4), (64, 1, 16)):
             decode_check(lines, dtype, tol, batch, steps, warps)
     gen = torch.Generator(device=DEV).manual_seed(3)
@@ -255,26 +301,37 @@ def sweep(lines: list[str]) -> None:
     total = 16384
     cu = torch.tensor([0, total], dtype=torch.int32, device=DEV)
     _, x, B, C, dt, A, D, dt_bias, states = _mamba_inputs(total, 2, torch.bfloat16, 5)
+    A_log = torch.log(-A)
     slots = torch.tensor([1], device=DEV)
-    for chunk in (32, 64, 128):
-        for block_p in (16, 32, 64):
-            for warps in (4, 8):
-                cfg = {"CHUNK": chunk, "BLOCK_P": block_p, "num_warps": warps, "num_stages": 1}
-                try:
-                    ms = do_bench(lambda: tri_scan.ssd_chunk_scan(x, B, C, dt, A, D, dt_bias, 1e-3, cu, states,
-                                                                  slots, H, P, config=cfg))
-                    lines.append(f"sweep ssd scan 16K {cfg}: {ms * 1e3:.0f} us")
-                except Exception as exc:  # a config that does not fit in registers / shared memory
-                    lines.append(f"sweep ssd scan 16K {cfg}: {type(exc).__name__}")
+    for path, pass_ps in (("serial", (16,)), ("chunked", (8, 16, 32))):
+        for chunk in (32, 64, 128):
+            for block_p in (16, 32, 64):
+                for warps in (4, 8):
+                    for pass_p in pass_ps:
+                        cfg = {"CHUNK": chunk, "BLOCK_P": block_p, "num_warps": warps, "num_stages": 1,
+                               "PASS_P": pass_p, **SCAN_PATHS[path]}
+                        try:
+                            ms = do_bench(lambda: tri_scan.ssd_chunk_scan(x, B, C, dt, A_log, D, dt_bias, 1e-3, cu,
+                                                                          states, slots, H, P, config=cfg))
+                            lines.append(f"sweep ssd scan {path} 16K {cfg}: {ms * 1e3:.0f} us")
+                        except Exception as exc:  # a config that does not fit in registers / shared memory
+                            lines.append(f"sweep ssd scan {path} 16K {cfg}: {type(exc).__name__}")
+    weight = torch.randn(E, HIDDEN, device=DEV) * 0.02
+    for rows in (1, 8, 64, 16384):
+        xr = torch.randn(rows, HIDDEN, device=DEV).to(torch.bfloat16)
+        ours = do_bench(lambda: tri_router.router_logits(xr, weight)) * 1e3
+        cublas = do_bench(lambda: torch.nn.functional.linear(xr.float(), weight)) * 1e3
+        lines.append(f"sweep router logits {rows} rows: {ours:.1f} us (F.linear(x.float()) {cublas:.1f} us)")
     for batch in (1, 8, 64):
         xbc, x, B, C, dt, A, D, dt_bias, states = _mamba_inputs(batch, batch, torch.bfloat16, batch)
+        A_log = torch.log(-A)
         w = torch.randn(xbc.shape[1], 4, device=DEV).to(torch.bfloat16)
         conv = torch.zeros(batch, xbc.shape[1], 3, device=DEV, dtype=torch.bfloat16)
         z, norm_w = torch.randn(batch, H * P, device=DEV).to(torch.bfloat16), torch.ones(H * P, device=DEV)
         slots = torch.arange(batch, device=DEV)
         for warps in (2, 4, 8, 16):
-            us = do_bench(lambda: tri_decode.mamba_decode_step(xbc, z, dt, w, None, conv, A, D, dt_bias, 1e-3, norm_w,
-                                                               1e-5, states, slots, H, P,
+            us = do_bench(lambda: tri_decode.mamba_decode_step(xbc, z, dt, w, None, conv, A_log, D, dt_bias, 1e-3,
+                                                               norm_w, 1e-5, states, slots, H, P,
                                                                config={"num_warps": warps})) * 1e3
             lines.append(f"sweep fused decode step batch {batch} num_warps {warps}: {us:.1f} us")
 

@@ -221,6 +221,7 @@ def phase_speed(path: Path, cfg: dict, args, bw: float, s: int) -> None:
         n = 16384 // s
         res = ours.run(1, n, 1)
         report(f"{kind} prefill tok/s 16K", n / res["ttft"], f"TTFT {res['ttft'] * 1e3:.0f} ms")
+        ours.llm.shutdown()  # start-up's gc.freeze keeps a dropped engine's memory: the next kind needs it
         del ours
         gc.collect()
         if torch.cuda.is_available():

@@ -34,6 +34,9 @@ def _model(name: str):
     if name == "glm":
         from glm_flash_bench import Ours, real_config
         return real_config(False), Ours
+    if name in ("gemma4", "gemma3"):
+        from gemma_bench import GEMMA3_27B, GEMMA4_26B_A4B, Ours
+        return dict(GEMMA4_26B_A4B if name == "gemma4" else GEMMA3_27B), Ours
     raise SystemExit(f"unknown model {name}")
 
 
@@ -150,6 +153,8 @@ def main() -> None:
     ap.add_argument("--out")
     args = ap.parse_args()
     cfg, Ours = _model(args.model)
+    import armillary.engine
+    armillary.engine.warm_up = lambda engine: None  # start-up warm-up only costs device time here: scenarios warm themselves
     spec = "verify" in args.scenarios
     if spec:
         cfg["mtp_num_hidden_layers" if args.model == "qwen" else "num_nextn_predict_layers"] = 1

@@ -12,13 +12,14 @@ and writes it to ``--out``.
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import tempfile
 import time
 from pathlib import Path
 
 import torch
+
+from hf_baseline import transformers_baseline, without  # the same transformers comparison in every bench
 
 
 def real_config(tiny: bool) -> dict:
@@ -135,38 +136,9 @@ def hf_bench(cfg_dict: dict, device: str, prompt_len: int, new: int, prefill_len
     """transformers on the same config, random bf16 weights: decode tok/s at batch 1 and 8, 16K prefill."""
     import transformers as tf
 
-    cfg = tf.Qwen3_5MoeTextConfig(**{k: v for k, v in cfg_dict.items() if k not in ("architectures",)})
-    with torch.device(device):
-        model = tf.Qwen3_5MoeForCausalLM._from_config(cfg, dtype=torch.bfloat16).eval()
-    res = {}
-    vocab = min(cfg.vocab_size, 150000)
-    for b in (1, 8):
-        ids = torch.randint(10, vocab, (b, prompt_len), device=device)
-        with torch.no_grad():
-            model.generate(ids, max_new_tokens=2, min_new_tokens=2, do_sample=False)  # warm-up
-            sync(device)
-            t = time.perf_counter()
-            model.generate(ids, max_new_tokens=1, min_new_tokens=1, do_sample=False)
-            sync(device)
-            t_prefill = time.perf_counter() - t
-            t = time.perf_counter()
-            model.generate(ids, max_new_tokens=new, min_new_tokens=new, do_sample=False)
-            sync(device)
-            dt = time.perf_counter() - t - t_prefill
-        res[f"decode_b{b}"] = b * (new - 1) / dt
-    ids = torch.randint(10, vocab, (1, prefill_len), device=device)
-    with torch.no_grad():
-        model(ids[:, :256])
-        sync(device)
-        t = time.perf_counter()
-        model(ids, logits_to_keep=1)
-        sync(device)
-        res["prefill"] = prefill_len / (time.perf_counter() - t)
-    del model
-    gc.collect()
-    if device == "cuda":
-        torch.cuda.empty_cache()
-    return res
+    cfg = tf.Qwen3_5MoeTextConfig(**without(cfg_dict, "architectures"))
+    return transformers_baseline(tf.Qwen3_5MoeForCausalLM, cfg, device, prompt_len, new, prefill_len,
+                                 vocab_cap=150000)
 
 
 def main() -> None:

@@ -4,7 +4,9 @@ Measured through ``armillary serve`` with streamed ``/v1/completions`` (httpx), 
 blog measured. Two server starts, each a fresh process:
 
 1. the server's defaults (fcfs), on an empty Triton cache (a temp ``TRITON_CACHE_DIR``): start-up
-   time, the first request's TTFT (from its send and from process start), the first 16K-token
+   time, the first request's TTFT (from its send and from process start; the client first probes
+   ``/health`` as a load balancer would, so its own first use of httpx / anyio and the connection,
+   ~100 ms, is not counted as the server's), the server's warm-request stage, the first 16K-token
    prompt's TTFT; then TTFT and decode tok/s for short, 1K, 4K and 16K-token prompts (medians);
    then the mixed load below;
 2. ``--scheduling-policy slai`` on the now warm Triton cache: start-up time and first TTFT again,
@@ -184,8 +186,18 @@ class Bench:
                                  limits=httpx.Limits(max_connections=64, max_keepalive_connections=32))
 
     async def cold_start(self, server: Server, label: str) -> None:
-        """The first request of a fresh process, then (in it) the first 16K-token prompt."""
+        """The first request of a fresh process (after a readiness probe), then (in it) the first 16K-token prompt."""
         async with self.client(server.url) as client:
+            probe_start = time.perf_counter()
+            health = await client.get("/health")
+            self.figure(f"{label}.health_probe_ms", ms(time.perf_counter() - probe_start),
+                        f"{label}: /health {health.status_code} in {ms(time.perf_counter() - probe_start)} ms "
+                        f"(the client's own first use included)")
+            warm = re.search(r"warm-up: server routes \((\d+) requests in-process\) ([\d.]+) s",
+                             server.log_path.read_text(errors="replace"))
+            self.figure(f"{label}.server_warm_requests_s", float(warm.group(2)) if warm else None,
+                        f"{label}: server warm requests {warm.group(1)} in {warm.group(2)} s" if warm
+                        else f"{label}: no server warm-request stage in the log")
             first = await complete(client, prompt_ids(self.length("short"), self.rng, self.usable), 16)
             since_spawn = round(first.chunks[0] - server.spawned, 3) if first.chunks else None
             self.figure(f"{label}.startup_s", round(server.startup_s, 2), f"{label}: start-up {server.startup_s:.1f} s")

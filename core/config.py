@@ -27,7 +27,7 @@ class EngineConfig:
     tokenizer: str | None = None  # defaults to the model directory
     max_model_len: int | None = None  # None: the checkpoint's limit
     max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048  # token budget of one step (decodes + prefill chunks)
+    max_num_batched_tokens: int | None = None  # token budget of one step (decodes + prefill chunks); None: by device
     scheduling_policy: str = "fcfs"  # fcfs, or slai: deadline-aware prefill chunks (Atlas's --scheduling-policy)
     tbt_deadline_ms: float = 50.0  # slai: the inter-token latency running streams are kept under
     block_size: int = 16
@@ -66,6 +66,8 @@ class EngineConfig:
         """
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "seed", "max_graph_batch"):
             value = getattr(self, name)
+            if value is None and name == "max_num_batched_tokens":
+                continue  # chosen by device at start-up (resolve_token_budget)
             if not isinstance(value, int) or value < (0 if name == "seed" else 1):
                 raise ValueError(f"{name} must be an integer of at least {0 if name == 'seed' else 1}, not {value!r}")
         for name in ("max_model_len", "num_kv_blocks"):
@@ -126,6 +128,15 @@ class EngineConfig:
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
         return torch.device(self.device)
 
+    def resolve_token_budget(self, device: torch.device) -> int:
+        """Fill in an unset ``max_num_batched_tokens`` for ``device`` and return it.
+
+        16,384 on GPUs of at least 70 GiB (vLLM's offline default there: a 16K prompt in one step, since each
+        eager prefill step pays a fixed launch cost), 8,192 on smaller GPUs, 2,048 on the CPU."""
+        if self.max_num_batched_tokens is None:
+            self.max_num_batched_tokens = default_token_budget(device)
+        return self.max_num_batched_tokens
+
     def torch_dtype(self, checkpoint_dtype: str | None) -> torch.dtype:
         import torch
 
@@ -134,3 +145,13 @@ class EngineConfig:
             return getattr(torch, _DTYPES[str(name).removeprefix("torch.")])
         except KeyError:
             raise ValueError(f"unsupported dtype {name!r}; choose one of {sorted(_DTYPES)}") from None
+
+
+def default_token_budget(device: torch.device) -> int:
+    """The step token budget an unset ``max_num_batched_tokens`` gets on ``device`` (EngineConfig.resolve_token_budget)."""
+    if device.type != "cuda":
+        return 2048
+    import torch
+
+    total = torch.cuda.get_device_properties(device).total_memory
+    return 16384 if total >= 70 * 2**30 else 8192

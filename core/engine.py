@@ -59,6 +59,7 @@ class LLMEngine:
         self.arch = self.registry.resolve_architecture(list(getattr(self.hf_config, "architectures", None) or []))
         model_cls = self.arch.load()
         self.device = config.torch_device()
+        config.resolve_token_budget(self.device)
         self.dtype = config.torch_dtype(checkpoint_dtype(self.hf_config))
         self.kernels = resolve_dispatch(self.registry, self.arch.name, self.device, config.kernel_backend)
         ops.install(self.kernels)
@@ -300,7 +301,8 @@ class LLMEngine:
         for i, c in enumerate(chunks):
             seq = c.seq
             if seq.sampling_reads_history:
-                return None  # the sampler needs the awaited token on the host
+                return None  # a thinking budget near its end needs the awaited token on the host
+            # penalties and min_tokens count the awaited token on the device: plan.input_tokens
             if seq.num_output_tokens + 1 < seq.max_tokens:  # else the awaited token is its last
                 rows.append(i)
         if not rows:
@@ -319,7 +321,7 @@ class LLMEngine:
         out = step.wait()
         done = time.perf_counter()
         # the step's wall time: from its launch, or, queued behind the previous step, from that one's end
-        self.scheduler.policy.observe_step(step.plan.num_tokens, done - max(started, self._last_step_done))
+        self.scheduler.policy.observe_step(step.plan.num_tokens, done - max(started, self._last_step_done), step.plan)
         self._last_step_done = done
         if out is not None and self.num_drafts:
             self._count_speculation(step.plan, out)

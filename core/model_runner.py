@@ -187,7 +187,7 @@ class ModelRunner:
         mask = masks.result() if masks is not None else None
         if mask is not None:
             logits = mask.apply(logits)  # in place: the returned logits are the masked ones
-        out = self.sampler(logits, sampled)
+        out = self.sampler(logits, sampled, pending=plan.input_tokens)  # async: penalties count the awaited token
         if self.device.type != "cuda":
             return LaunchedStep(plan, logits, out, out, None)
         host = SamplerOutput(*(t.to("cpu", non_blocking=True) if t is not None else None

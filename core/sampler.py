@@ -49,20 +49,36 @@ def _padded_token_ids(rows: list[list[int]], pad: int, device: torch.device) -> 
     return _to_device([r + [pad] * (width - len(r)) for r in rows], torch.int64, device)
 
 
-def _token_counts(rows: list[list[int]], vocab: int, device: torch.device) -> torch.Tensor:
-    """rows of token ids -> [B, V] float32 occurrence counts, built with one scatter_add."""
+def _token_counts(rows: list[list[int]], vocab: int, device: torch.device, repeat: int = 1,
+                  extra: torch.Tensor | None = None) -> torch.Tensor:
+    """rows of host token ids -> [B * repeat, V] float32 occurrence counts (each row ``repeat``
+    times), plus ``extra``: [B * repeat, L] int64 device ids (-1 = none) added to their rows."""
     ids = _padded_token_ids(rows, vocab, device)  # [B, L], pad = V lands in a spare column
     counts = torch.zeros(len(rows), vocab + 1, dtype=torch.float32, device=device)
     counts.scatter_add_(1, ids, torch.ones_like(ids, dtype=torch.float32))
+    if repeat > 1:  # repeat, not repeat_interleave: a copy of known size, and writable (unlike expand)
+        counts = counts[:, None].repeat(1, repeat, 1).reshape(-1, vocab + 1)  # [B * repeat, V + 1]
+    if extra is not None:
+        extra_ids = torch.where(extra >= 0, extra, vocab)  # [B * repeat, L]; none -> the spare column
+        counts.scatter_add_(1, extra_ids, torch.ones_like(extra_ids, dtype=torch.float32))
     return counts[:, :vocab]
 
 
-def apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+def uses_penalties(seqs: list[Sequence]) -> bool:
+    """Whether any of ``seqs`` asks for a repetition, frequency or presence penalty."""
+    return any(s.params.repetition_penalty != 1.0 or s.params.frequency_penalty != 0.0
+               or s.params.presence_penalty != 0.0 for s in seqs)
+
+
+def apply_penalties(logits: torch.Tensor, seqs: list[Sequence], extra: torch.Tensor | None = None) -> torch.Tensor:
     """vLLM's repetition, frequency and presence penalties; returns a new tensor.
 
-    logits: [B, V]. Repetition counts prompt and output tokens: a seen token's logit is divided
-    by the penalty when positive, multiplied when not. Frequency subtracts penalty × count and
-    presence subtracts penalty × (count > 0), over output tokens only.
+    logits: [B * R, V], R rows per sequence (rows ``b*R .. b*R+R-1`` are ``seqs[b]``'s: R = 1, or
+    K + 1 in a verify step). Repetition counts prompt and output tokens: a seen token's logit is
+    divided by the penalty when positive, multiplied when not. Frequency subtracts penalty × count
+    and presence subtracts penalty × (count > 0), over output tokens only. ``extra``: [B * R, L]
+    int64 device ids (-1 = none), output tokens of each row not in its host history yet (the token
+    the step in flight is sampling, or the drafts before a verify row): counted without a host read.
     """
     params = [s.params for s in seqs]
     use_repetition = any(p.repetition_penalty != 1.0 for p in params)
@@ -70,42 +86,54 @@ def apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
     if not (use_repetition or use_output):
         return logits
     vocab, device = logits.shape[1], logits.device
+    repeat = logits.shape[0] // len(seqs)
+    if logits.shape[0] != repeat * len(seqs):
+        raise ValueError(f"apply_penalties: {logits.shape[0]} logits rows for {len(seqs)} sequences")
+
+    def per_row(values: list[float]) -> torch.Tensor:  # [B * R, 1]
+        row = _to_device(values, torch.float32, device)
+        return row[:, None].expand(-1, repeat).reshape(-1, 1)
+
     if use_repetition:
-        # rows without the penalty get no tokens: their scaling is 1 either way
+        # rows without the penalty get no history: their scaling is 1 either way (extra tokens too)
         seen_rows = [s.token_ids if s.params.repetition_penalty != 1.0 else [] for s in seqs]
-        seen = _token_counts(seen_rows, vocab, device) > 0  # [B, V]
-        penalty = _to_device([p.repetition_penalty for p in params], torch.float32, device)[:, None]
-        penalty = torch.where(seen, penalty, 1.0)  # [B, V]
+        seen = _token_counts(seen_rows, vocab, device, repeat, extra) > 0  # [B * R, V]
+        penalty = torch.where(seen, per_row([p.repetition_penalty for p in params]), 1.0)  # [B * R, V]
         logits = torch.where(logits > 0, logits / penalty, logits * penalty)
     if use_output:
         output_rows = [s.output_token_ids if s.params.frequency_penalty != 0.0
                        or s.params.presence_penalty != 0.0 else [] for s in seqs]
-        counts = _token_counts(output_rows, vocab, device)  # [B, V]
-        frequency = _to_device([p.frequency_penalty for p in params], torch.float32, device)[:, None]
-        presence = _to_device([p.presence_penalty for p in params], torch.float32, device)[:, None]
+        counts = _token_counts(output_rows, vocab, device, repeat, extra)  # [B * R, V]
+        frequency = per_row([p.frequency_penalty for p in params])
+        presence = per_row([p.presence_penalty for p in params])
         logits = logits - frequency * counts - presence * (counts > 0).float()
     return logits
 
 
-def mask_stop_tokens_before_min(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
-    """Forbid stop tokens while ``num_output_tokens < min_tokens``; returns a new tensor if any.
+def mask_stop_tokens_before_min(logits: torch.Tensor, seqs: list[Sequence], ahead: int = 0) -> torch.Tensor:
+    """Forbid stop tokens while the output is shorter than ``min_tokens``; returns a new tensor if any.
 
-    logits: [B, V]. Masked: ``stop_token_ids``, plus ``eos_token_ids`` unless ``ignore_eos``.
-    Ids outside the logits' vocab are skipped.
+    logits: [B * R, V], R rows per sequence as in ``apply_penalties``; row ``r`` of ``seqs[b]``
+    follows ``num_output_tokens + ahead + r`` output tokens (``ahead``: tokens sampled on the
+    device and not on the host yet; ``r``: the drafts before a verify row). Masked:
+    ``stop_token_ids``, plus ``eos_token_ids`` unless ``ignore_eos``. Ids outside the vocab are skipped.
     """
     vocab = logits.shape[1]
+    repeat = logits.shape[0] // max(1, len(seqs))
     rows: list[int] = []
     cols: list[int] = []
     for i, seq in enumerate(seqs):
         p = seq.params
-        if seq.num_output_tokens >= p.min_tokens:
+        before = seq.num_output_tokens + ahead
+        if before >= p.min_tokens:
             continue
         stops = set(p.stop_token_ids or [])
         if not p.ignore_eos:
             stops.update(seq.eos_token_ids)
-        for token in sorted(t for t in stops if 0 <= t < vocab):
-            rows.append(i)
-            cols.append(token)
+        stops = sorted(t for t in stops if 0 <= t < vocab)
+        for r in range(min(repeat, p.min_tokens - before)):
+            rows.extend([i * repeat + r] * len(stops))
+            cols.extend(stops)
     if not rows:
         return logits
     index = (_to_device(rows, torch.int64, logits.device), _to_device(cols, torch.int64, logits.device))
@@ -152,12 +180,17 @@ class Sampler:
         self._seed = seed
         self._shared_generators: dict[torch.device, torch.Generator] = {}
 
-    def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SamplerOutput:
+    def __call__(self, logits: torch.Tensor, seqs: list[Sequence], pending: torch.Tensor | None = None
+                 ) -> SamplerOutput:
+        """``pending``: [B] int64 device ids, each sequence's latest token, sampled by the step still
+        in flight and not in ``token_ids`` yet (async scheduling): penalties and min_tokens count it."""
         if logits.dim() != 2 or logits.shape[0] != len(seqs):
             raise ValueError(f"logits must be [B, V] with B = {len(seqs)} sequences, got {tuple(logits.shape)}")
         logits = logits.float()
         device = logits.device
-        processed = mask_stop_tokens_before_min(apply_penalties(logits, seqs), seqs)  # [B, V]
+        extra = pending.to(torch.int64)[:, None] if pending is not None else None  # [B, 1]
+        processed = apply_penalties(logits, seqs, extra)
+        processed = mask_stop_tokens_before_min(processed, seqs, ahead=int(pending is not None))  # [B, V]
         processed = force_thinking_end(processed, seqs)
 
         greedy_rows = [i for i, s in enumerate(seqs) if s.params.greedy]

@@ -94,13 +94,10 @@ class Sequence:
 
     @property
     def sampling_reads_history(self) -> bool:
-        """Whether the next token's sampling depends on the tokens before it on the host: penalties, or
-        stop tokens still masked by ``min_tokens`` (async continuation and draft acceptance must wait)."""
-        p = self.params
-        return bool(p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0
-                    or self.num_output_tokens < p.min_tokens
-                    or (self.thinking is not None
-                        and self.thinking.reads_history(self.token_ids, self.num_prompt_tokens)))
+        """Whether the next tokens' sampling needs the tokens before them on the host: a thinking budget
+        near its end (async continuation and draft acceptance must wait). Penalties and ``min_tokens``
+        do not: the sampler counts the token still on the device and each verify row's drafts."""
+        return self.thinking is not None and self.thinking.reads_history(self.token_ids, self.num_prompt_tokens)
 
     @property
     def is_finished(self) -> bool:

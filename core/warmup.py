@@ -229,11 +229,24 @@ def warm_up(engine: LLMEngine, sizes: list[int] | None = None) -> WarmupReport:
     w.stage("sampler paths", w.sampler_paths)
     w.stage("chat template", w.chat_template)
     w.stage("grammar mask (JSON schema)", w.grammar)
-    engine.cache.check_accounting(list(engine.scheduler.running))
-    if engine.requests or engine.has_unfinished_requests():
-        raise RuntimeError(f"warm-up left requests behind: {sorted(engine.requests)}")
+    _check_released(engine)
     engine.runner.sampler = Sampler(seed=cfg.seed)  # the seeded stream starts where it would have
     took = time.perf_counter() - start
     log.info("warm-up: %d stages in %.1f s (Triton cache %s)", len(w.report.stages), took,
              os.environ.get("TRITON_CACHE_DIR"))
     return w.report
+
+
+def _check_released(engine: LLMEngine) -> None:
+    engine.cache.check_accounting(list(engine.scheduler.running))
+    if engine.requests or engine.has_unfinished_requests():
+        raise RuntimeError(f"warm-up left requests behind: {sorted(engine.requests)}")
+
+
+def forget_warm_requests(engine: LLMEngine) -> None:
+    """After warm-up requests sent from outside (the server's own routes): check that none is left and
+    nothing is held, then rebuild the host-side bookkeeping and the sampler as ``warm_up`` leaves them,
+    so counters, prefix-cache entries and random streams are as if those requests had never run."""
+    _check_released(engine)
+    engine._init_bookkeeping()
+    engine.runner.sampler = Sampler(seed=engine.config.seed)

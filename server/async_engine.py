@@ -7,6 +7,7 @@ event loop never waits on a step.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import queue
 import threading
@@ -45,6 +46,14 @@ class _Add:
 @dataclass(slots=True)
 class _Abort:
     request_id: str
+
+
+@dataclass(slots=True)
+class _Call:
+    """Run ``fn(engine)`` on the engine thread between steps."""
+
+    fn: Callable[[Any], Any]
+    result: concurrent.futures.Future
 
 
 class _AbortAll:
@@ -193,7 +202,9 @@ class AsyncEngine:
             raise EngineOverloadedError(
                 f"{self._num_waiting} requests are already waiting (--max-queue-size {self.max_queue_size})")
         loop = asyncio.get_running_loop()
-        if self._loop is None:
+        if self._loop is not loop:  # the first request, or the first after the warm requests (their own loop)
+            if self._streams:
+                raise RuntimeError("requests from two event loops at once: the engine answers on one")
             self._loop = loop
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already in flight")
@@ -222,6 +233,12 @@ class AsyncEngine:
         finally:
             if not stream.done:
                 self.abort(request_id)
+
+    def call(self, fn: Callable[[Any], Any]) -> concurrent.futures.Future:
+        """Run ``fn(engine)`` on the engine thread between two steps; its result (or exception) in the future."""
+        result: concurrent.futures.Future = concurrent.futures.Future()
+        self._inbox.put(_Call(fn, result))
+        return result
 
     def abort(self, request_id: str) -> None:
         """Stop a request and free its memory now; safe for finished or unknown ids."""
@@ -381,6 +398,13 @@ class AsyncEngine:
             if cmd.request_id in in_flight:
                 in_flight.discard(cmd.request_id)
                 self.engine.abort_request(cmd.request_id)
+        elif isinstance(cmd, _Call):
+            if not cmd.result.set_running_or_notify_cancel():
+                return
+            try:
+                cmd.result.set_result(cmd.fn(self.engine))
+            except Exception as exc:  # the caller's to handle; the engine lives
+                cmd.result.set_exception(exc)
         elif isinstance(cmd, _AbortAll):
             self._abort_everything(in_flight, EngineUnavailableError("the server is shutting down"))
 

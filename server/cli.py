@@ -200,6 +200,7 @@ def _load_and_serve(args: argparse.Namespace, model: str, config: EngineConfig, 
     from armillary.server.parsing import ParserSetup
     from armillary.server.responses_store import ResponseStore
     from armillary.server.state import ServerState
+    from armillary.server.warm_requests import warm_routes
 
     log.info("loading %s", model)
     engine = AsyncEngine(lambda: LLMEngine(config, registry), max_queue_size=args.max_queue_size)
@@ -229,6 +230,16 @@ def _load_and_serve(args: argparse.Namespace, model: str, config: EngineConfig, 
                         responses=ResponseStore(args.responses_store_size, args.responses_store_ttl),
                         max_thinking_budget=args.max_thinking_budget)
     app = build_app(state, _cors(args))
+    try:
+        asyncio.run(warm_routes(state, app))  # the request path's first use, before the socket is served
+    except KeyboardInterrupt:
+        engine.shutdown(timeout=5)
+        log.info("interrupted while warming up")
+        return 0
+    if engine.dead is not None:
+        engine.shutdown(timeout=5)
+        log.error("exiting with status %d: the engine failed during warm-up (%s)", ENGINE_FAILED_EXIT, engine.dead)
+        return ENGINE_FAILED_EXIT
     throughput = None if args.disable_log_stats else ThroughputLog(metrics, args.log_stats_interval)
     server = _Server(uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off",
                                     timeout_graceful_shutdown=10), on_signal=engine.begin_shutdown,

@@ -38,7 +38,8 @@ _ENGINE_GROUPS: tuple[tuple[str, tuple[tuple[str, type, str, tuple[str, ...]], .
     ("memory and scheduling", (
         ("max_model_len", int, "context length limit (default: the checkpoint's)", ("--max-seq-len",)),
         ("max_num_seqs", int, "most sequences running at once", ()),
-        ("max_num_batched_tokens", int, "token budget of one step (decodes plus prefill chunks)",
+        ("max_num_batched_tokens", int, "token budget of one step (decodes plus prefill chunks; default by device: "
+                                      "16384 on GPUs of 70 GiB or more, 8192 on smaller ones, 2048 on the CPU)",
          ("--max-prefill-tokens",)),
         ("tbt_deadline_ms", float, "with --scheduling-policy slai: the inter-token latency (ms) running streams "
                                    "are kept under", ()),

@@ -39,9 +39,12 @@ def test_decode_kernels_stream_16_byte_loads(rows):
             assert r["cp_async"] > 0 and r["mma"] > 0, r
 
 
-def test_prefill_gemm_uses_fp8_wgmma_and_exact_kernels_no_approximate_division(rows):
+def test_prefill_gemms_use_fp8_wgmma_and_exact_kernels_round_as_torch(rows):
     big = [r for r in rows if r["kernel"] == "_fp8_block_gemm_kernel" and r["num_warps"] == 8]
     assert big and all(r["wgmma_e4m3"] > 0 for r in big)
     for r in rows:
         if r["kernel"] in ("_write_kv_kernel", "_quant_act_kernel"):
-            assert r["approx_div"] == 0, r
+            assert r["approx_div"] == 0 and r["sign_flips"] == 0, r
+    grouped = [r for r in rows if r["kernel"] == "_grouped_kernel"]
+    assert {r["constexprs"]["BLOCK_M"] for r in grouped} >= {16, 128}
+    assert all(r["wgmma_e4m3"] > 0 for r in grouped if r["num_warps"] == 8)

@@ -1,4 +1,4 @@
-"""FP8 reference quantizers (round trip) and the Triton fp8 GEMM / fused MoE against the dequantizing references, odd sizes."""
+"""FP8 reference quantizers (round trip) and the Triton fp8 GEMM / fused MoE / e4m3 cast against the dequantizing references, odd sizes."""
 from __future__ import annotations
 
 import pytest
@@ -9,6 +9,7 @@ import triton.language as tl
 from armillary.kernels import fp8 as ref
 from armillary.kernels.triton import fp8_gemm, fp8_moe
 from armillary.kernels.triton.fp8_cast import to_e4m3
+from armillary.kernels.triton.fp8_skinny import e4m3_to_f32_folded
 
 E4M3_MAX = 448.0
 
@@ -62,7 +63,8 @@ def test_fp8_linear_matches_reference(m, n, k, block):
 
 
 @pytest.mark.parametrize("m,tiles", [(1, dict(NSUB=2, SUB_K=16, K_TILES=1)), (1, dict(NSUB=1, SUB_K=16, K_TILES=2)),
-                                     (5, dict(BLOCK_M=16, SUB_K=16, K_TILES=2)), (20, dict(BLOCK_M=32, SUB_K=32, K_TILES=1))])
+                                     (5, dict(BLOCK_M=16, NSUB=1, SUB_K=16, K_TILES=2)),
+                                     (20, dict(BLOCK_M=32, NSUB=1, SUB_K=32, K_TILES=1))])
 @pytest.mark.parametrize("n,k,block", [(45, 96, (16, 32)), (33, 50, (1, 50)), (40, 150, (8, 32))])
 def test_fp8_skinny_split_k_and_tiles(m, tiles, n, k, block):
     """Forced split-K (the last-arriver sum, tickets reset) and sub-tiles narrower than a scale block."""
@@ -130,9 +132,12 @@ def test_triton_e4m3_rounding_is_torchs():
     torch.manual_seed(3)
     x = torch.cat([torch.randn(700) * s for s in (1e-3, 1.0, 30.0, 1000.0)])
     x[:6] = torch.tensor([124.0, 120.0, 1.0625, 3 * 2 ** -10, 464.0, -500.0])  # ties, a subnormal tie, saturation
+    x[6:9] = torch.tensor([-0.0, -1e-6, -2.0 ** -10])  # negatives that round to zero keep the sign: 0x80
     q = torch.empty(x.shape, dtype=torch.float8_e4m3fn)
     _cast_kernel[(triton.cdiv(x.numel(), 512),)](x, q, x.numel(), BLOCK=512)
-    assert torch.equal(q.view(torch.uint8), x.clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).view(torch.uint8))
+    want = x.clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).view(torch.uint8)
+    assert torch.equal(want[6:9], torch.full((3,), 0x80, dtype=torch.uint8))
+    assert torch.equal(q.view(torch.uint8), want)
 
 
 @pytest.mark.parametrize("activation,gated", [("relu2", False), ("gelu_pytorch_tanh", True), ("gelu", True)])
@@ -148,3 +153,58 @@ def test_fp8_fused_moe_activations(activation, gated, grouped):
     out = fp8_moe.fp8_fused_moe(x, w13, s13, w2, s2, 16, 16, weights, ids, activation, grouped=grouped)
     want = ref.fused_moe(x, w13, s13, w2, s2, 16, 16, weights, ids, activation, quantize_input=grouped)
     assert _ratio(out, want) < 1e-5
+
+
+def _prmt(a: int, b: int, sel: int) -> int:
+    """PTX prmt.b32 (default mode): byte i of the result is byte (sel >> 4i) & 7 of {b, a} (a bytes 0-3)."""
+    pool = [(a >> (8 * i)) & 0xFF for i in range(4)] + [(b >> (8 * i)) & 0xFF for i in range(4)]
+    return sum(pool[(sel >> (4 * i)) & 7] << (8 * i) for i in range(4))
+
+
+def test_e4m3_to_bf16_bit_moves_are_exact():
+    """The integer steps of fp8_skinny.e4m3_to_bf16's PTX, replayed on every e4m3 byte (four per word as
+    the asm takes them), equal torch's e4m3 -> bf16; the GPU check runs the asm itself."""
+    codes = [c for c in range(256) if c & 0x7F != 0x7F]  # e4m3fn has no inf; 0x7f / 0xff are NaN
+    got = []
+    for i in range(0, len(codes), 4):
+        word = sum(c << (8 * j) for j, c in enumerate(codes[i:i + 4]))
+        for sel in (0x5140, 0x7362):
+            a = _prmt(0, word, sel)
+            b = ((a & 0x7FFF7FFF) >> 4) | (a & 0x80008000)  # lop3 0xc0, shr, lop3 0xf8
+            lanes = torch.tensor([b & 0xFFFF, b >> 16], dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+            got += (lanes * torch.tensor(2.0 ** 120, dtype=torch.bfloat16)).tolist()  # mul.rn.bf16x2
+    want = torch.tensor(codes, dtype=torch.uint8).view(torch.float8_e4m3fn).to(torch.bfloat16)
+    assert torch.equal(torch.tensor(got[: len(codes)], dtype=torch.bfloat16).view(torch.int16), want.view(torch.int16))
+
+
+def test_skinny_decode_config_reads_the_tuning_table(monkeypatch):
+    """fp8_skinny's launch configs come from core's tables under skinny_gemm's keys (n{N}_k{K}_m{rows})."""
+    from armillary.kernels.triton import fp8_skinny
+
+    asked = []
+
+    def table(rows, n, k, device=None):
+        asked.append(fp8_skinny.config_key(rows, n, k))
+        return {**fp8_skinny.DEFAULTS, "DOT_BLOCK_N": 64, "dot_num_stages": 6, "split_k": 2}
+
+    monkeypatch.setattr(fp8_skinny, "lookup_config", table)
+    cfg = fp8_skinny.decode_config(5, 9216, 2048, 128, 128, torch.device("cpu"))
+    assert asked == ["n9216_k2048_m8"]
+    assert (cfg["BLOCK_N"], cfg["BLOCK_M"], cfg["SUB_K"], cfg["NSUB"], cfg["split_k"]) == (64, 16, 128, 1, 2)
+    assert cfg["K_TILES"] == 8 and cfg["num_stages"] == 1  # the interpreter pipelines nothing
+
+
+@triton.jit
+def _fold_kernel(q_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.arange(0, BLOCK)
+    ok = offs < n
+    tl.store(out_ptr + offs, e4m3_to_f32_folded(tl.load(q_ptr + offs, mask=ok, other=0.0)), mask=ok)
+
+
+def test_e4m3_to_f32_folded_is_exact():
+    """The one-row GEMM's and MoE GEMV's integer widening: every e4m3 code (subnormals, -0) times 2^-120, bit for bit."""
+    codes = torch.tensor([c for c in range(256) if c & 0x7F != 0x7F], dtype=torch.uint8)
+    out = torch.empty(codes.shape, dtype=torch.float32)
+    _fold_kernel[(1,)](codes.view(torch.float8_e4m3fn), out, codes.numel(), BLOCK=256)
+    want = codes.view(torch.float8_e4m3fn).float() * 2.0 ** -120
+    assert torch.equal(out.view(torch.int32), want.view(torch.int32))

@@ -61,7 +61,8 @@ def is_verify_step(plan: StepPlan, num_drafts: int) -> bool:
 
 def max_accepted(plan: StepPlan, num_drafts: int) -> list[int]:
     """Per chunk, how many drafts it may accept before grammars: 0 where sampling reads the tokens
-    before each position (penalties, a pending min_tokens), else all of them."""
+    before each position on the host (a thinking budget near its end), else all of them (penalties
+    and min_tokens count each row's drafts on the device)."""
     return [0 if c.seq.sampling_reads_history else num_drafts for c in plan.chunks]
 
 

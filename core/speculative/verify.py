@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from armillary.sampler import Sampler, _to_device, apply_penalties, mask_stop_tokens_before_min
+from armillary.sampler import Sampler, _to_device, apply_penalties, mask_stop_tokens_before_min, uses_penalties
 from armillary.sequence import Sequence
 from armillary.thinking_budget import force_thinking_end
 
@@ -54,13 +54,22 @@ def _uniform(seqs: list[Sequence], k: int, sampler: Sampler, device: torch.devic
     return out
 
 
+def drafts_before_rows(drafts: torch.Tensor) -> torch.Tensor:
+    """drafts: [B, K] -> [B(K+1), K] int64: row ``b*(K+1) + i`` holds ``d_1 .. d_i``, then -1."""
+    num, k = drafts.shape
+    row_of = torch.arange(k + 1, device=drafts.device).repeat(num)  # [B(K+1)] i of each row
+    before = torch.arange(k, device=drafts.device)[None, :] < row_of[:, None]  # [B(K+1), K]
+    return torch.where(before, drafts[:, None, :].expand(-1, k + 1, -1).reshape(-1, k), -1)
+
+
 def verify_drafts(logits: torch.Tensor, seqs: list[Sequence], drafts: torch.Tensor, max_accept: torch.Tensor,
                   sampler: Sampler, force_accept: bool = False) -> VerifyOutput:
     """logits: [B * (K+1), V] raw, rows of sequence b at ``b*(K+1) .. b*(K+1)+K``; drafts: [B, K]
     int64; max_accept: [B] int64, the most drafts a sequence may accept (0 where its sampling
-    depends on the tokens before it in ways the rows cannot see: penalties, min_tokens; fewer
-    where a grammar rejects a draft). ``force_accept`` (benchmarks only) accepts up to
-    ``max_accept`` whatever the target says."""
+    depends on the tokens before it in ways the rows cannot see: a thinking budget near its end;
+    fewer where a grammar rejects a draft). Penalties and min_tokens are exact on every row: row i
+    counts the drafts before it. ``force_accept`` (benchmarks only) accepts up to ``max_accept``
+    whatever the target says."""
     num, k = drafts.shape
     width = k + 1
     if logits.shape[0] != num * width:
@@ -68,9 +77,11 @@ def verify_drafts(logits: torch.Tensor, seqs: list[Sequence], drafts: torch.Tens
     logits = logits.float()
     device, vocab = logits.device, logits.shape[1]
     rows = [seq for seq in seqs for _ in range(width)]
-    # penalties, min_tokens and thinking budgets see the tokens before row 0 only: right for row 0,
-    # which is all such a sequence may use (max_accept 0)
-    processed = mask_stop_tokens_before_min(apply_penalties(logits, rows), rows)  # [B(K+1), V]
+    # row i sees the history plus drafts d_1..d_i: penalties and min_tokens exact on every row
+    extra = drafts_before_rows(drafts) if uses_penalties(seqs) else None  # [B(K+1), K]
+    processed = mask_stop_tokens_before_min(apply_penalties(logits, seqs, extra), seqs)  # [B(K+1), V]
+    # a thinking budget sees the tokens before row 0 only: right for row 0, all such a sequence
+    # may use near its budget (max_accept 0 there)
     processed = force_thinking_end(processed, rows)
     target = processed.argmax(dim=-1).view(num, width)  # greedy rows' picks
     tokens = target

@@ -10,7 +10,10 @@ bn 1, bk >= K). Up to ``fp8_skinny.DECODE_MAX_ROWS`` rows stream W with x unquan
 - the GEMM: [BLOCK_M, G] x [G, BLOCK_N] fp8 tiles (both K-major, as the fp8 wgmma wants) through a
   num_stages-deep shared-memory pipeline, ``acc += dot · a_scale[m] · w_scale`` per K step (one
   weight scale per step when BLOCK_N rows share a scale row), fp32 accumulation, bf16 out; program
-  ids grouped along M so a W column tile is reused from L2.
+  ids grouped along M so a W column tile is reused from L2;
+- or, for 128 x 128 blocks past ``fp8_scaled_mm.MIN_ROWS`` rows on a GPU whose one-time probe passed,
+  the same quantization (rows padded) into cuBLASLt's block-scaled ``torch._scaled_mm``
+  (fp8_scaled_mm.py), about twice the Triton GEMM's rate on an H200.
 
 Reference: ``armillary.kernels.fp8.linear_w8a8`` (prefill) / ``linear`` (decode).
 """
@@ -21,27 +24,30 @@ import triton
 import triton.language as tl
 
 from armillary.kernels.fp8 import FP8_MAX
+from armillary.kernels.triton import fp8_scaled_mm
 from armillary.kernels.triton.fp8_cast import exact_div, to_e4m3
 from armillary.kernels.triton.fp8_skinny import DECODE_MAX_ROWS, fp8_skinny_gemm, on_gpu
 
-__all__ = ["DECODE_MAX_ROWS", "act_group", "fp8_linear", "prefill_config", "quantize_act"]
+__all__ = ["DECODE_MAX_ROWS", "act_group", "fp8_linear", "prefill_config", "quantize_act", "use_scaled_mm"]
 _QUANT_ELEMS = 2048  # elements of x per quantization program
 
 
 @triton.jit
-def _quant_act_kernel(x_ptr, q_ptr, s_ptr, M, K, stride_xm, stride_qm, GROUPS_PER_PROG: tl.constexpr,
+def _quant_act_kernel(x_ptr, q_ptr, s_ptr, M, K, ROWS, stride_xm, stride_qm, GROUPS_PER_PROG: tl.constexpr,
                       GROUP: tl.constexpr, FP8_LIMIT: tl.constexpr):
-    """Grid (M, cdiv(K / GROUP, GROUPS_PER_PROG)): q [M, K] e4m3, s [cdiv(K, GROUP), M] fp32 (group-major)."""
+    """Grid (ROWS, cdiv(K / GROUP, GROUPS_PER_PROG)): q [ROWS, K] e4m3, s [cdiv(K, GROUP), ROWS] fp32
+    (group-major); rows M..ROWS-1 (padding) quantize zeros."""
     row = tl.program_id(0).to(tl.int64)
     g = tl.program_id(1) * GROUPS_PER_PROG + tl.arange(0, GROUPS_PER_PROG)
     cols = g[:, None] * GROUP + tl.arange(0, GROUP)[None, :]  # [GPP, GROUP]
     ok = cols < K
-    x = tl.load(x_ptr + row * stride_xm + cols, mask=ok, other=0.0).to(tl.float32)
+    real = (cols * 0 + row) < M  # [GPP, GROUP]: a padding row loads nothing
+    x = tl.load(x_ptr + row * stride_xm + cols, mask=ok & real, other=0.0).to(tl.float32)
     amax = tl.max(tl.abs(x), axis=1)  # [GPP]
     scale = tl.maximum(exact_div(amax, tl.full(amax.shape, FP8_LIMIT, tl.float32)), 1e-12)
     q = to_e4m3(exact_div(x, tl.broadcast_to(scale[:, None], x.shape)))
     tl.store(q_ptr + row * stride_qm + cols, q, mask=ok)
-    tl.store(s_ptr + g.to(tl.int64) * M + row, scale, mask=g * GROUP < K)
+    tl.store(s_ptr + g.to(tl.int64) * ROWS + row, scale, mask=g * GROUP < K)
 
 
 @triton.jit
@@ -105,17 +111,22 @@ def act_group(k: int, block_k: int) -> int:
     return g
 
 
-def quantize_act(x: torch.Tensor, group: int, rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [M, K] -> (e4m3 [M, K], fp32 scales [cdiv(K, group), M]): one launch, bit-equal to the reference."""
+def quantize_act(x: torch.Tensor, group: int, rows: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (e4m3 [R, K], fp32 scales [cdiv(K, group), R]) with R = ``rows`` (>= M, default M;
+    rows past M are zeros with scale 1e-12): one launch, bit-equal to the reference on the first M rows."""
     m, k = x.shape
-    q = torch.empty(m, k, dtype=torch.float8_e4m3fn, device=x.device)
+    r = m if rows is None else rows
+    if r < m:
+        raise ValueError(f"quantize_act: {r} output rows cannot hold {m}")
+    q = torch.empty(r, k, dtype=torch.float8_e4m3fn, device=x.device)
     groups = triton.cdiv(k, group)
-    s = torch.empty(groups, m, dtype=torch.float32, device=x.device)
-    if m == 0:
+    s = torch.empty(groups, r, dtype=torch.float32, device=x.device)
+    if r == 0:
         return q, s
     gpp = min(triton.next_power_of_2(groups), max(1, _QUANT_ELEMS // group))
-    _quant_act_kernel[(m, triton.cdiv(groups, gpp))](x, q, s, m, k, x.stride(0), q.stride(0), GROUPS_PER_PROG=gpp,
-                                                     GROUP=group, FP8_LIMIT=FP8_MAX, num_warps=4)
+    _quant_act_kernel[(r, triton.cdiv(groups, gpp))](x, q, s, m, k, r, x.stride(0), q.stride(0),
+                                                     GROUPS_PER_PROG=gpp, GROUP=group, FP8_LIMIT=FP8_MAX,
+                                                     num_warps=4)
     return q, s
 
 
@@ -128,11 +139,25 @@ def prefill_config(m: int, on_gpu: bool) -> dict:
     return dict(BLOCK_M=64, BLOCK_N=128, GROUP_M=8, num_warps=4, num_stages=4)
 
 
+def use_scaled_mm(m: int, x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block_n: int, block_k: int,
+                  choice: bool | None = None) -> bool:
+    """Whether a prefill call of ``m`` rows takes cuBLAS's block-scaled GEMM (fp8_scaled_mm): ``choice``
+    None decides by its shape rules (more than MIN_ROWS rows) and the device's one-time probe, False
+    never, True whenever the shape fits (a ValueError where it does not or the device lacks it)."""
+    if choice is False:
+        return False
+    fits = fp8_scaled_mm.fits(m, x, weight, scale, block_n, block_k, min_rows=0 if choice else fp8_scaled_mm.MIN_ROWS)
+    if choice and not (fits and fp8_scaled_mm.ready(x.device, quantize_act)):
+        raise ValueError(f"fp8_linear: torch._scaled_mm block scaling does not take weight {tuple(weight.shape)} in "
+                         f"blocks of ({block_n}, {block_k}) with {x.dtype} rows on {x.device}")
+    return fits and fp8_scaled_mm.ready(x.device, quantize_act)
+
+
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block_n: int, block_k: int,
                bias: torch.Tensor | None = None, config: dict | None = None) -> torch.Tensor:
     """x [M, K] (bf16 / fp16 / fp32, unit last stride), weight fp8 [N, K] contiguous rows, scale fp32
     [ceil(N / bn), ceil(K / bk)] -> [M, N] in x's dtype. ``config`` overrides the chosen path's keys
-    (``prefill: True`` forces the tensor-core path)."""
+    (``prefill: True`` forces a prefill path; ``scaled_mm``: True / False forces cuBLAS / Triton for it)."""
     m, k = x.shape
     n = weight.shape[0]
     if weight.shape[1] != k or x.stride(1) != 1 or weight.stride(1) != 1:
@@ -146,6 +171,9 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block
     if m <= DECODE_MAX_ROWS and not cfg.pop("prefill", False):
         return fp8_skinny_gemm(x, weight, scale, block_n, block_k, bias, cfg)
     cfg.pop("prefill", None)
+    if use_scaled_mm(m, x, weight, scale, block_n, block_k, cfg.pop("scaled_mm", None)):
+        xq, xs = quantize_act(x, fp8_scaled_mm.BLOCK, fp8_scaled_mm.padded_rows(m))  # [Mp, K], [K / 128, Mp]
+        return fp8_scaled_mm.matmul(xq, xs, weight, scale, bias, x.dtype, m)
     cfg = {**prefill_config(m, on_gpu(x.device)), **cfg}
     group = act_group(k, block_k)
     xq, xs = quantize_act(x, group)

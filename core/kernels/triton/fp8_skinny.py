@@ -9,10 +9,16 @@ and shapes with few row tiles split K until there are about two programs per SM.
 - one row (``fma``): the tile is [BLOCK_N, NSUB, SUB_K] with SUB_K the weight's K block, so a
   thread reads 16 contiguous fp8 bytes per load, the block scale multiplies the short x vector
   (NSUB scales per tile, never per element), products accumulate per lane in fp32 and are
-  reduced once at the end;
+  reduced once at the end; the bytes are widened to fp32 by ``e4m3_to_f32_folded`` (three integer
+  ops a value, no conversion instruction; the fused MoE's GEMV shares ``fp8_row_products``);
 - 2-64 rows (``dot``): [BLOCK_N, SUB_K] fp8 tiles widened to x's dtype (exact) against x on the
   tensor cores, loads pipelined through shared memory, the tile's fp32 product times its block
-  scale.
+  scale. Widening to bf16 is ``e4m3_to_bf16``: integer moves and one bf16x2 multiply per two
+  values. Triton's own cast on sm_90 goes e4m3 -> f16 -> bf16, 1.5 conversions per value on the
+  conversion unit (16 a clock per SM): by that count ~7.5 us for the 19 M values of a 9216 x 2048
+  weight, more than streaming its bytes takes (4.5 us at 4.2 TB/s), while the scale loads are one
+  per tile. The estimate is why the first version ran at 550-900 GB/s; ``bench/fp8_bench.py
+  --phase kernels`` times both widenings (``fast_bf16``) against bf16 cuBLAS.
 
 Split K is deterministic and needs no second launch: the last program of a tile (a ticket from
 ``device_buffers.ticket_buffer``) sums the fp32 partials in split order, adds the bias and stores,
@@ -24,14 +30,25 @@ import torch
 import triton
 import triton.language as tl
 
+from armillary.kernels import tuning
 from armillary.kernels.triton.device_buffers import ticket_buffer
 from armillary.kernels.triton.pdl import launch_options, pdl_prologue
 from armillary.kernels.triton.skinny_gemm import _sm_count
 from armillary.kernels.triton.split_k import split_k_epilogue
 
 DECODE_MAX_ROWS = 64  # up to this many rows stream W with unquantized activations
-FMA_BLOCK_K = 512  # fp8 bytes per weight row per tile: 16 per thread in 32-thread rows
-DOT_BLOCK_K = 128
+WIDE_FOLD = tl.constexpr(2.0 ** 60)  # e4m3_to_f32_folded's 2^-120, paid back half on x, half on the sums
+TUNING_PACKAGE = "armillary.kernels"
+KERNEL = "fp8_skinny"
+# BLOCK_K: fp8 bytes per weight row per one-row tile (16 per thread in 32-thread rows); DOT_BLOCK_N 0:
+# 32 up to 16 rows, 64 above; DOT_BLOCK_K: columns per multi-row tile (at most the weight's K block);
+# split_k 0: enough splits for target_waves programs per SM, each keeping >= (dot_)min_split_cols
+# columns of K; fast_bf16: the integer e4m3 -> bf16 widening (False: Triton's cast, for comparison).
+DEFAULTS = {
+    "BLOCK_N": 16, "BLOCK_K": 512, "num_warps": 4, "DOT_BLOCK_N": 0, "DOT_BLOCK_K": 128, "dot_num_warps": 4,
+    "dot_num_stages": 4, "split_k": 0, "target_waves": 2, "min_split_cols": 1024, "dot_min_split_cols": 512,
+    "fast_bf16": True,
+}  # fmt: skip
 OFFLINE_SM_COUNT: int | None = None  # set by bench/fp8_compile_check.py: pick GPU configs with no GPU
 
 
@@ -50,12 +67,49 @@ def pdl_options(device: torch.device) -> dict:
 
 
 @triton.jit
+def e4m3_to_bf16(w):
+    """float8e4nv -> bfloat16, exact, four values per 32-bit word: each byte moved to the top of a 16-bit
+    lane, exponent and mantissa shifted into bf16's fields (the e4m3 exponent lands 120 too low, the
+    sign stays), then one bf16x2 multiply by 2^120 (which also makes e4m3 subnormals normal)."""
+    return tl.inline_asm_elementwise(
+        asm="""
+        {
+        .reg .b32 a<2>, b<2>, e120;
+        mov.u32 e120, 0x7B807B80;
+        prmt.b32 a0, 0, $2, 0x5140;
+        prmt.b32 a1, 0, $2, 0x7362;
+        lop3.b32 b0, a0, 0x7fff7fff, 0, 0xc0;
+        lop3.b32 b1, a1, 0x7fff7fff, 0, 0xc0;
+        shr.b32 b0, b0, 4;
+        shr.b32 b1, b1, 4;
+        lop3.b32 b0, b0, 0x80008000, a0, 0xf8;
+        lop3.b32 b1, b1, 0x80008000, a1, 0xf8;
+        mul.rn.bf16x2 $0, b0, e120;
+        mul.rn.bf16x2 $1, b1, e120;
+        }
+        """,
+        constraints="=r,=r,r", args=[w.to(tl.uint8, bitcast=True)], dtype=tl.bfloat16, is_pure=True, pack=4)
+
+
+@triton.jit
+def e4m3_to_f32_folded(w):
+    """float8e4nv -> fp32 ``q · 2^-120``, exact, in three integer ops a value: the byte to the top of a word,
+    an arithmetic shift by 4 (exponent and mantissa into fp32's fields, the sign smeared over bits 31-27),
+    a mask keeping bit 31 and bits 26-20. e4m3 subnormals become fp32 subnormals (these kernels do not flush
+    them). Triton's cast takes two conversions a value (e4m3 -> f16 -> f32) on the slower conversion unit."""
+    v = (w.to(tl.uint8, bitcast=True).to(tl.uint32) << 24).to(tl.int32, bitcast=True) >> 4
+    return (v & -2014314496).to(tl.float32, bitcast=True)  # 0x87F00000
+
+
+@triton.jit
 def fp8_row_products(w_ptr, s_ptr, x, rows, row_blk, k0, K, stride_wn, stride_sn, stride_sk,
                      GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, K_SCALED: tl.constexpr,
                      ROWS_SHARE: tl.constexpr, NSUB: tl.constexpr, SUB_K: tl.constexpr, EVEN_K: tl.constexpr):
-    """W[rows, k0 : k0 + NSUB·SUB_K] · x elementwise, fp32 [BN, NSUB, SUB_K], times the block scales when
-    they vary along K (K_SCALED; else the caller scales each row's sum). x: [NSUB, SUB_K] fp32.
-    ROWS_SHARE: all rows lie in scale row ``row_blk`` (NSUB scales per tile); else one per row and sub-tile."""
+    """W[rows, k0 : k0 + NSUB·SUB_K] · x elementwise times 2^-60 (the caller multiplies each sum by
+    ``WIDE_FOLD``), fp32 [BN, NSUB, SUB_K], times the block scales when they vary along K (K_SCALED; else
+    the caller scales each row's sum). x: [NSUB, SUB_K] fp32. ROWS_SHARE: all rows lie in scale row
+    ``row_blk`` (NSUB scales per tile); else one per row and sub-tile. Every product rounds as
+    ``q · (x · s)`` would (the powers of two are exact) unless it falls below 2^-66."""
     sub = tl.arange(0, NSUB)
     koff = k0 + sub[:, None] * SUB_K + tl.arange(0, SUB_K)[None, :]  # [NSUB, SUB_K]
     ptrs = w_ptr + rows[:, None, None].to(tl.int64) * stride_wn + koff[None, :, :]
@@ -63,15 +117,16 @@ def fp8_row_products(w_ptr, s_ptr, x, rows, row_blk, k0, K, stride_wn, stride_sn
         w = tl.load(ptrs, eviction_policy="evict_first")
     else:
         w = tl.load(ptrs, mask=(koff < K)[None, :, :], other=0.0, eviction_policy="evict_first")
-    wf = w.to(tl.float32)
+    wf = e4m3_to_f32_folded(w)  # q · 2^-120
+    xf = x * WIDE_FOLD  # 2^60 here, 2^60 on the caller's sums
     if K_SCALED:
         kcol = tl.minimum(k0 + sub * SUB_K, K - 1) // GROUP_K  # [NSUB]; clamped: a tile past K is all zeros
         if ROWS_SHARE:
             s = tl.load(s_ptr + row_blk * stride_sn + kcol * stride_sk)  # [NSUB]
-            return wf * (x * s[:, None])[None, :, :]
+            return wf * (xf * s[:, None])[None, :, :]
         s = tl.load(s_ptr + (rows // GROUP_N)[:, None] * stride_sn + kcol[None, :] * stride_sk)  # [BN, NSUB]
-        return wf * x[None, :, :] * s[:, :, None]
-    return wf * x[None, :, :]
+        return wf * xf[None, :, :] * s[:, :, None]
+    return wf * xf[None, :, :]
 
 
 @triton.jit
@@ -87,11 +142,12 @@ def _fp8_skinny_kernel(
     GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, K_SCALED: tl.constexpr, ROWS_SHARE: tl.constexpr,
     HAS_BIAS: tl.constexpr, USE_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr, EVEN_K: tl.constexpr,
     K_TILES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NSUB: tl.constexpr,
-    SUB_K: tl.constexpr, PDL: tl.constexpr,
+    SUB_K: tl.constexpr, FAST_BF16: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """Grid (N tiles, M tiles, split_k): program (n, m, s) computes out tile (m, n) over K tiles
     [s · K_TILES, (s + 1) · K_TILES) of NSUB · SUB_K columns. part_ptr: [split_k, M, N] fp32;
-    ticket_ptr: [M tiles · N tiles] int32, zero between calls. EVEN_K: no K masks needed."""
+    ticket_ptr: [M tiles · N tiles] int32, zero between calls. EVEN_K: no K masks needed. FAST_BF16: bf16 x
+    on a GPU (``e4m3_to_bf16`` is inline PTX: the interpreter takes Triton's cast)."""
     pdl_prologue(PDL)
     pid_n, pid_m, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -100,7 +156,7 @@ def _fp8_skinny_kernel(
     rows = offs_n % N  # clamped rows keep the weight loads unmasked (wide); their sums are not stored
     row_blk = (pid_n * BLOCK_N) // GROUP_N
     k_lo = pid_k * (K_TILES * NSUB * SUB_K)
-    if USE_DOT:  # NSUB == 1
+    if USE_DOT:  # NSUB == 1: one scale per tile
         offs_k = tl.arange(0, SUB_K)
         acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
         w_ptrs = w_ptr + rows[:, None].to(tl.int64) * stride_wn + offs_k[None, :]  # [BN, SUB_K]
@@ -114,7 +170,8 @@ def _fp8_skinny_kernel(
                 k_ok = offs_k < K - k0
                 w = tl.load(w_ptrs + k0, mask=k_ok[None, :], other=0.0, eviction_policy="evict_first")
                 x = tl.load(x_ptrs + k0, mask=k_ok[None, :], other=0.0)
-            part = tl.dot(w.to(x.dtype), tl.trans(x), input_precision=DOT_PRECISION)  # [BN, BM] fp32
+            wd = e4m3_to_bf16(w) if FAST_BF16 else w.to(x.dtype)  # exact either way
+            part = tl.dot(wd, tl.trans(x), input_precision=DOT_PRECISION)  # [BN, BM] fp32
             if K_SCALED:
                 kcol = tl.minimum(k0, K - 1) // GROUP_K  # clamped: a tile past K multiplies zeros
                 if ROWS_SHARE:
@@ -138,7 +195,7 @@ def _fp8_skinny_kernel(
                 x = tl.load(x_row + koff, mask=koff < K, other=0.0).to(tl.float32)
             wide += fp8_row_products(w_ptr, s_ptr, x, rows, row_blk, k0, K, stride_wn, stride_sn, stride_sk,
                                      GROUP_N, GROUP_K, K_SCALED, ROWS_SHARE, NSUB, SUB_K, EVEN_K)
-        acc = tl.sum(tl.sum(wide, axis=2), axis=1)[:, None]  # [BN, 1]
+        acc = tl.sum(tl.sum(wide, axis=2), axis=1)[:, None] * WIDE_FOLD  # [BN, 1]
     if not K_SCALED:
         acc = acc * fp8_row_scales(s_ptr, rows, stride_sn, GROUP_N)[:, None]
 
@@ -159,24 +216,42 @@ def k_layout(k: int, block_k: int, width: int) -> tuple[int, int, bool]:
     return bk // sub, sub, True
 
 
+def config_key(rows: int, n: int, k: int) -> str:
+    """Tuning-table key: exact (N, K) and the rows rounded up to a power of two (as skinny_gemm's)."""
+    return f"n{n}_k{k}_m{triton.next_power_of_2(max(rows, 1))}"
+
+
+def lookup_config(rows: int, n: int, k: int, device: torch.device | None = None) -> dict:
+    return tuning.kernel_config(TUNING_PACKAGE, KERNEL, config_key(rows, n, k), DEFAULTS, device)
+
+
 def decode_config(m: int, n: int, k: int, block_n: int, block_k: int, device: torch.device) -> dict:
-    """Path, tiles and split-K of one decode call: at least two programs per SM where K allows (each split keeps >= 4 x 512 or 8 x 128 columns)."""
+    """Path, tiles and split-K of one decode call from the table entry: about ``target_waves`` programs per
+    SM where K allows (each split keeps at least ``min_split_cols`` / ``dot_min_split_cols`` columns)."""
+    cfg = lookup_config(m, n, k, device if on_gpu(device) else None)
     use_dot = m > 1
-    nsub, sub_k, scaled = k_layout(k, block_k, DOT_BLOCK_K if use_dot else FMA_BLOCK_K)
     if use_dot:
-        nsub, bm, bn = 1, max(16, triton.next_power_of_2(m)), 32 if m <= 16 else 64
+        bm = max(16, triton.next_power_of_2(m))
+        bn = cfg["DOT_BLOCK_N"] or (32 if m <= 16 else 64)
+        width = cfg["DOT_BLOCK_K"]
     else:
-        bm, bn = 1, 16
+        bm, bn, width = 1, cfg["BLOCK_N"], cfg["BLOCK_K"]
+    nsub, sub_k, scaled = k_layout(k, block_k, width)
+    if use_dot:  # one scale per multi-row tile
+        nsub = 1
     tiles = triton.cdiv(n, bn) * triton.cdiv(m, bm)
     k_blocks = triton.cdiv(k, nsub * sub_k)
-    want, split = 2 * sm_count(device), 1
-    per_split = 8 if use_dot else 4  # K tiles a split keeps at least: dot tiles are 4x narrower
-    while tiles * split < want and split * per_split <= k_blocks:  # 144 tiles on 132 SMs: a near-empty 2nd wave
-        split *= 2
-    k_tiles = triton.cdiv(k_blocks, split)
+    split = cfg["split_k"]
+    if not split:  # 144 tiles on 132 SMs would leave a near-empty second wave: split until ~target_waves
+        want, split = cfg["target_waves"] * sm_count(device), 1
+        per_split = max(1, cfg["dot_min_split_cols" if use_dot else "min_split_cols"] // (nsub * sub_k))
+        while tiles * split < want and split * 2 * per_split <= k_blocks:
+            split *= 2
+    k_tiles = triton.cdiv(k_blocks, max(1, min(split, k_blocks)))
     return dict(USE_DOT=use_dot, BLOCK_M=bm, BLOCK_N=bn, NSUB=nsub, SUB_K=sub_k, K_SCALED=scaled,
-                K_TILES=k_tiles, split_k=triton.cdiv(k_blocks, k_tiles), num_warps=4,
-                num_stages=4 if use_dot and on_gpu(device) else 1)
+                K_TILES=k_tiles, split_k=triton.cdiv(k_blocks, k_tiles), fast_bf16=cfg["fast_bf16"],
+                num_warps=cfg["dot_num_warps"] if use_dot else cfg["num_warps"],
+                num_stages=cfg["dot_num_stages"] if use_dot and on_gpu(device) else 1)
 
 
 def fp8_skinny_gemm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block_n: int, block_k: int,
@@ -204,6 +279,7 @@ def fp8_skinny_gemm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, 
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         EVEN_K=k % (width * cfg["K_TILES"]) == 0, K_TILES=cfg["K_TILES"], BLOCK_M=cfg["BLOCK_M"],
         BLOCK_N=cfg["BLOCK_N"], NSUB=cfg["NSUB"], SUB_K=cfg["SUB_K"],
+        FAST_BF16=cfg.get("fast_bf16", True) and x.dtype == torch.bfloat16 and on_gpu(x.device),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl_options(x.device),
     )  # fmt: skip
     return out

@@ -225,13 +225,14 @@ def _combine_splits_kernel(
     NUM_HEADS: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_S: tl.constexpr,
     HAS_GATE: tl.constexpr, PDL: tl.constexpr,
 ):
-    """Grid (T, Hq): out = Σ_s 2^(lse_s − M) · out_s / Σ_s 2^(lse_s − M) over the splits (· sigmoid(gate))."""
+    """Grid (T, Hq, cdiv(Dv, BLOCK_DV)): out = Σ_s 2^(lse_s − M) · out_s / Σ_s 2^(lse_s − M) over the splits
+    (· sigmoid(gate)); each program combines BLOCK_DV columns, so the [BLOCK_S, BLOCK_DV] tile stays in registers."""
     pdl_prologue(PDL)
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     base = (t * NUM_HEADS + h) * num_splits
     offs_s = tl.arange(0, BLOCK_S)
-    offs_dv = tl.arange(0, BLOCK_DV)
+    offs_dv = tl.program_id(2) * BLOCK_DV + tl.arange(0, BLOCK_DV)
     s_ok = offs_s < num_splits
     lse = tl.load(part_lse_ptr + base + offs_s, mask=s_ok, other=float("-inf"))  # [BLOCK_S]
     m = tl.max(lse, 0)
@@ -328,10 +329,13 @@ def _launch(
         KV_SCALED=k_scale is not None, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **launch_options(q.device),
     )
     if splits > 1:
-        _combine_splits_kernel[(T, Hq)](
+        block_s = max(16, triton.next_power_of_2(splits))
+        # columns a program: at most 8K fp32 partials in registers (D 512 x 64 splits spilled as one tile)
+        block_dv = min(triton.next_power_of_2(Dv), max(16, 8192 // block_s))
+        _combine_splits_kernel[(T, Hq, triton.cdiv(Dv, block_dv))](
             part_out, part_lse, out, gate_arg, splits, out.stride(0), out.stride(1), gate_arg.stride(0),
-            gate_arg.stride(1), NUM_HEADS=Hq, HEAD_DIM_V=Dv, BLOCK_DV=triton.next_power_of_2(Dv),
-            BLOCK_S=max(16, triton.next_power_of_2(splits)), HAS_GATE=gate is not None, num_warps=4,
+            gate_arg.stride(1), NUM_HEADS=Hq, HEAD_DIM_V=Dv, BLOCK_DV=block_dv,
+            BLOCK_S=block_s, HAS_GATE=gate is not None, num_warps=4,
             **launch_options(q.device),
         )
     return out

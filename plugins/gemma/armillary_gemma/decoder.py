@@ -6,7 +6,10 @@ the residual stream travels beside the layer output, so each "norm, add, norm" b
 sublayers (across layer boundaries too) is one ``ops.norm.norm_add_norm`` launch. Gemma 4
 adds, in this order: the MoE block in parallel with the dense MLP (router and experts read the
 post-attention residual), the per-layer input ``r += post_ple_norm(proj(gelu(gate(r)) · ple_i))``
-(E2B / E4B) and ``r *= layer_scalar``, so its layers return the summed stream.
+(E2B / E4B) and ``r *= layer_scalar``; its layers take the stream with its input norm and return the
+next stream with the next layer's input norm, so on the GPU the norms after attention (and, at decode
+sizes, the router's projection) are one launch (``ops.layer_norms.attn_out_norms``) and everything after
+the MLP and experts is another (``layer_tail``).
 """
 from __future__ import annotations
 
@@ -15,11 +18,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from armillary.forward_batch import ForwardBatch, KVCache
-from armillary.kernels import ops
 from armillary.layers import FusedMoE, ReplicatedLinear, RMSNorm
+from armillary.layers.quantization.unquantized import UnquantizedLinearMethod
 from armillary_gemma.config import GemmaArgs, MoEArgs
 from armillary_gemma.layers import GemmaAttention, GemmaMLP
+from armillary_gemma.ops.layer_norms import attn_out_norms, layer_tail
 from armillary_gemma.ops.norm import norm_add_norm
+from armillary_gemma.ops.router import gemma4_route
 
 
 class Gemma3DecoderLayer(nn.Module):
@@ -52,25 +57,29 @@ class Gemma3DecoderLayer(nn.Module):
 
 class Gemma4MoE(nn.Module):
     """Router (unscaled RMSNorm · scale · H^-½, softmax, top-k, renormalise, · per_expert_scale) and
-    stacked GeGLU experts through core's ``FusedMoE``."""
+    stacked GeGLU experts through core's ``FusedMoE``; the router's input norm comes from ``attn_out_norms``."""
 
     def __init__(self, args: GemmaArgs, moe: MoEArgs, prefix: str = "") -> None:
         super().__init__()
         hidden = args.hidden_size
-        self.top_k, self.eps, self.root = moe.top_k, args.rms_norm_eps, hidden**-0.5
+        self.top_k, self.root = moe.top_k, hidden**-0.5
         self.router = nn.Module()
         self.router.proj = ReplicatedLinear(hidden, moe.num_experts, prefix=f"{prefix}.router.proj")
         self.router.scale = nn.Parameter(torch.empty(hidden), requires_grad=False)
         self.router.per_expert_scale = nn.Parameter(torch.empty(moe.num_experts), requires_grad=False)
-        self.register_buffer("unit_weight", torch.ones(hidden), persistent=False)
         self.experts = FusedMoE(moe.num_experts, moe.top_k, hidden, moe.intermediate_size, "gelu_pytorch_tanh",
                                 prefix=f"{prefix}.experts")
 
-    def forward(self, router_in: torch.Tensor, expert_in: torch.Tensor) -> torch.Tensor:
-        """router_in: the residual stream [T, H]; expert_in: its pre-expert norm [T, H] -> [T, H]."""
-        h = ops.rms_norm(router_in, self.unit_weight, self.eps) * self.router.scale * self.root
-        weights, ids = ops.softmax_topk(self.router.proj(h), self.top_k, renormalize=True)  # [T, k] each
-        weights = weights * self.router.per_expert_scale[ids]
+    def router_weight(self) -> torch.Tensor | None:
+        """The router projection's plain weight [E, H], which ``attn_out_norms`` applies itself; None if quantized."""
+        proj = self.router.proj
+        return proj.weight if isinstance(proj.quant_method, UnquantizedLinearMethod) else None
+
+    def forward(self, router_out: torch.Tensor, expert_in: torch.Tensor, logits: bool) -> torch.Tensor:
+        """router_out: the router logits [T, E] (``logits``) or its input x̂ · scale · H^-½ [T, H]; expert_in:
+        the stream's pre-expert norm [T, H] -> [T, H]."""
+        router_logits = router_out if logits else self.router.proj(router_out)
+        weights, ids = gemma4_route(router_logits, self.router.per_expert_scale, self.top_k)  # [T, k] each
         return self.experts(expert_in, weights, ids)
 
 
@@ -108,18 +117,29 @@ class Gemma4DecoderLayer(nn.Module):
                 return [(f"moe.experts.{p}", values, kw) for p, values, kw in found]
         return [(f"moe.{local_name}", tensor, {})]
 
-    def forward(self, x: torch.Tensor, batch: ForwardBatch, cache: KVCache, cos: torch.Tensor,
-                sin: torch.Tensor, per_layer_input: torch.Tensor | None) -> torch.Tensor:
-        """x: the residual stream [T, H] -> the next layer's; per_layer_input: [T, P] or None."""
-        a = self.self_attn(self.input_layernorm(x), batch, cache, cos, sin)
-        h, x = norm_add_norm(a, x, self.post_attention_layernorm.weight, self.pre_feedforward_layernorm.weight,
-                             self.input_layernorm.eps, False)
-        h = self.mlp(h)
-        if self.moe is not None:
-            expert_in = self.pre_feedforward_layernorm_2(x)
-            h = self.post_feedforward_layernorm_1(h) + self.post_feedforward_layernorm_2(self.moe(x, expert_in))
-        x = x + self.post_feedforward_layernorm(h)
-        if self.per_layer_dim:
-            g = F.gelu(self.per_layer_input_gate(x), approximate="tanh") * per_layer_input  # [T, P]
-            x = x + self.post_per_layer_input_norm(self.per_layer_projection(g))
-        return x * self.layer_scalar
+    def forward(self, x: torch.Tensor, h: torch.Tensor, batch: ForwardBatch, cache: KVCache, cos: torch.Tensor,
+                sin: torch.Tensor, per_layer_input: torch.Tensor | None,
+                next_norm: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: the residual stream [T, H], h: its input norm (the previous layer's tail made it); per_layer_input:
+        [T, P] or None; next_norm: the next layer's input-norm weight (the final norm's after the last layer)
+        -> (the next residual stream, its ``next_norm``). At decode sizes: attention's launches, one norm launch
+        after it, the MLP's and the experts', one at the end."""
+        eps = self.input_layernorm.eps
+        a = self.self_attn(h, batch, cache, cos, sin)
+        moe = self.moe
+        router_w = moe.router_weight() if moe is not None else None
+        mlp_in, expert_in, router_out, x = attn_out_norms(
+            a, x, self.post_attention_layernorm.weight, self.pre_feedforward_layernorm.weight,
+            self.pre_feedforward_layernorm_2.weight if moe is not None else None,
+            moe.router.scale if moe is not None else None, moe.root if moe is not None else 1.0, eps, router_w)
+        m = self.mlp(mlp_in)
+        e = moe(router_out, expert_in, logits=router_w is not None) if moe is not None else None
+        w1 = self.post_feedforward_layernorm_1.weight if moe is not None else None
+        w2 = self.post_feedforward_layernorm_2.weight if moe is not None else None
+        if not self.per_layer_dim:
+            return layer_tail(m, e, x, w1, w2, self.post_feedforward_layernorm.weight, self.layer_scalar, next_norm,
+                              eps)
+        x, _ = layer_tail(m, e, x, w1, w2, self.post_feedforward_layernorm.weight, None, None, eps)
+        g = F.gelu(self.per_layer_input_gate(x), approximate="tanh") * per_layer_input  # [T, P]
+        return layer_tail(self.per_layer_projection(g), None, x, None, None, self.post_per_layer_input_norm.weight,
+                          self.layer_scalar, next_norm, eps)

@@ -36,3 +36,14 @@ def armillary_register_kernels(registry) -> None:
                       targets=tuned)
     registry.register("torch_norm_add_norm", "norm_add_norm", f"{_PKG}.ops.naive:norm_add_norm_ref", kind="reference")
     registry.register("triton_norm_add_norm", "norm_add_norm", f"{_PKG}.ops.norm:norm_add_norm_triton", targets=tuned)
+    # Gemma 4's fused decode launches; the layers call them directly (``ops.use_triton``), listed here with
+    # their references so the dispatch description shows them
+    for interface, fn, ref in (("gemma4_attn_out_norms", "layer_norms:attn_out_norms_triton", "attn_out_norms_ref"),
+                               ("gemma4_layer_tail", "layer_norms:layer_tail_triton", "layer_tail_ref"),
+                               ("gemma4_route", "router:gemma4_route_triton", "gemma4_route_ref"),
+                               ("gemma4_qkv_norm_rope_store", "qkv_rope:qkv_norm_rope_store_triton",
+                                "gemma4_qkv_norm_rope_ref"),
+                               ("gemma_softcap", "softcap:softcap_triton", "softcap_ref"),
+                               ("gemma_gemv", "gemv:gemma_gemv", "gemma_gemv_ref")):
+        registry.register(f"torch_{interface}", interface, f"{_PKG}.ops.naive:{ref}", kind="reference")
+        registry.register(f"triton_{interface}", interface, f"{_PKG}.ops.{fn}", targets=tuned)

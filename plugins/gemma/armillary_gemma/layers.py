@@ -5,7 +5,8 @@ RMS-normed), plain-w q/k norms, an unscaled RMSNorm on the values, global layers
 head_dim / kv heads and, with ``attention_k_eq_v``, values taken from the key projection before
 its norm. A KV-shared layer (Gemma 4's last ``num_kv_shared_layers``) has only a query
 projection and attends over the cache of the layer it shares with (``cache_layout`` gives it
-none). Every kernel goes through ``armillary.kernels.ops`` (CUDA-graph safe, no host lists).
+none). Every kernel goes through ``armillary.kernels.ops`` or the plugin's fused ops (CUDA-graph safe,
+no host lists); Gemma 4's q / k / v norms, rope and K/V store are one launch (``ops.qkv_rope``).
 """
 from __future__ import annotations
 
@@ -17,9 +18,12 @@ from armillary.kernels import ops
 from armillary.kernels.activation import act_and_mul
 from armillary.layers import (ColumnParallelLinear, MergedColumnParallelLinear, QKVParallelLinear, RMSNorm,
                               RowParallelLinear)
+from armillary.layers.quantization.unquantized import UnquantizedLinearMethod
 from armillary.parallel import get_parallel
 from armillary_gemma.config import GemmaArgs
+from armillary_gemma.ops import gemv
 from armillary_gemma.ops.geglu import gelu_tanh_and_mul
+from armillary_gemma.ops.qkv_rope import qkv_norm_rope_store
 
 _QKV = {"q_proj": "q", "k_proj": "k", "v_proj": "v"}
 _QK = {"q_proj": 0, "k_proj": 1}
@@ -87,22 +91,27 @@ class GemmaAttention(nn.Module):
             else:
                 q, k, v = self.qkv_proj(x).split([self.q_size, kv, kv], dim=-1)
             q, k, v = q.view(n, self.num_heads, d), k.view(n, self.num_kv_heads, d), v.view(n, self.num_kv_heads, d)
-            if self.gemma4:  # [T, Hkv, D] values normed without a scale (before k is normed / rotated)
-                v = ops.rms_norm(v, self.v_norm_weight, self.eps)  # strided head view read in place
-            q = ops.qk_norm_rope_store(q, k, v, self.q_norm.weight, self.k_norm.weight, self.eps, cos, sin, cache,
-                                       batch, zero_centered=not self.gemma4)
+            if self.gemma4:  # [T, Hkv, D] values normed without a scale too: q, k, v norms + rope + store, one launch
+                q = qkv_norm_rope_store(q, k, v, self.q_norm.weight, self.k_norm.weight, self.v_norm_weight,
+                                        self.eps, cos, sin, cache, batch)
+            else:
+                q = ops.qk_norm_rope_store(q, k, v, self.q_norm.weight, self.k_norm.weight, self.eps, cos, sin,
+                                           cache, batch, zero_centered=True)
         attn = ops.attention(q, cache, batch, self.scale, sliding_window=self.window, softcap=self.softcap)
         return self.o_proj(attn.reshape(n, self.q_size))
 
 
 class GemmaMLP(nn.Module):
-    """GeGLU: down(gelu_tanh(gate(x)) · up(x)), gate and up in one projection."""
+    """GeGLU: down(gelu_tanh(gate(x)) · up(x)), gate and up in one projection; at decode sizes, where the table
+    says so, the GeGLU runs inside the down projection's GEMV (``ops.gemv``)."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, activation: str, prefix: str = "") -> None:
         super().__init__()
         self.gate_up_proj = MergedColumnParallelLinear(hidden_size, [intermediate_size] * 2,
                                                        prefix=f"{prefix}.gate_up_proj")
         self.down_proj = RowParallelLinear(intermediate_size, hidden_size, prefix=f"{prefix}.down_proj")
+        # the fused GeGLU GEMV reads a plain weight of the whole layer (no quantization, no tensor parallelism)
+        self.fusable = isinstance(self.down_proj.quant_method, UnquantizedLinearMethod) and get_parallel().tp_size == 1
         if activation not in ("gelu_pytorch_tanh", "gelu_tanh"):
             raise ValueError(f"Gemma MLPs use gelu_pytorch_tanh, not {activation!r}")
 
@@ -111,5 +120,8 @@ class GemmaMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.gate_up_proj(x)  # [T, 2I]
+        down = self.down_proj
+        if self.fusable and gemv.serves("geglu", h, down.weight):  # GeGLU inside the down GEMV: one launch
+            return gemv.gemma_gemv("geglu", h, down.weight)
         h = gelu_tanh_and_mul(h) if ops.use_triton(h) else act_and_mul(h, "gelu_pytorch_tanh")
-        return self.down_proj(h)
+        return down(h)

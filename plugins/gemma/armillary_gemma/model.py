@@ -4,7 +4,8 @@ Sliding layers keep ``SlidingWindow`` caches, global layers ``FullAttention`` on
 head_dim and kv heads, so the planner packs their smaller pages by bytes); a KV-shared layer keeps
 nothing (``None``) and reads its source layer's cache. Embeddings are scaled by ``sqrt(hidden)``
 rounded to the model dtype; the LM head is tied unless the config says otherwise; the final logits
-are soft-capped (``final_logit_softcapping``) in float32.
+are soft-capped (``final_logit_softcapping``) in float32: one launch after the head's GEMV, or inside it
+(``ops.gemv``) where the plugin's table turns that on.
 """
 from __future__ import annotations
 
@@ -20,10 +21,13 @@ from armillary.hf_config import HFConfig
 from armillary.kernels import ops
 from armillary.kernels.rotary import rotary_cos_sin
 from armillary.layers import CheckpointLoader, ReplicatedLinear, RMSNorm, VocabEmbedding
+from armillary.layers.quantization.unquantized import UnquantizedLinearMethod
 from armillary.model_base import CausalLM
 from armillary_gemma.config import FULL, SLIDING, GemmaArgs, embed_scale
 from armillary_gemma.decoder import Gemma3DecoderLayer, Gemma4DecoderLayer
+from armillary_gemma.ops import gemv
 from armillary_gemma.ops.norm import norm_add_norm
+from armillary_gemma.ops.softcap import softcap_logits
 from armillary_gemma.rope import gemma_inv_freq
 from armillary_gemma.weights import SkipLog, text_name, unused_shared_kv
 
@@ -56,9 +60,15 @@ class _GemmaForCausalLM(CausalLM):
         self.model = GemmaModel(args)
         self.lm_head = None if args.tie_word_embeddings else ReplicatedLinear(args.hidden_size, args.vocab_size,
                                                                               prefix="lm_head")
+        # the soft-capped GEMV reads a plain weight (the tied embeddings, or an unquantized head)
+        self.head_fusable = self.lm_head is None or isinstance(self.lm_head.quant_method, UnquantizedLinearMethod)
+        inv = []
         for kind in (SLIDING, FULL):
             head_dim = next((la.head_dim for la in args.layers if la.kind == kind), args.layers[0].head_dim)
-            self.register_buffer(f"inv_freq_{kind}", gemma_inv_freq(args.rope[kind], head_dim), persistent=False)
+            inv.append(gemma_inv_freq(args.rope[kind], head_dim))
+        # both layer types' frequencies side by side: one cos / sin pass per step serves both
+        self.register_buffer("inv_freq", torch.cat(inv), persistent=False)
+        self.rotary_split = inv[0].shape[0]
         self.shared_layers = {i for i, la in enumerate(args.layers) if la.kv_source != i}
         # sqrt(dim) in the model dtype, made once: no host-to-device copy inside a CUDA-graph capture
         self.register_buffer("embed_scale", torch.tensor(embed_scale(args.hidden_size)), persistent=False)
@@ -85,13 +95,17 @@ class _GemmaForCausalLM(CausalLM):
         return x * scale.to(x.dtype)
 
     def _rotary(self, positions: torch.Tensor) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-        return {kind: rotary_cos_sin(positions, getattr(self, f"inv_freq_{kind}")) for kind in (SLIDING, FULL)}
+        """{layer type: (cos, sin) [T, rot / 2]}: column views of one table (same strides, unit last stride)."""
+        cos, sin = rotary_cos_sin(positions, self.inv_freq)  # [T, rot_s / 2 + rot_g / 2] each
+        s = self.rotary_split
+        return {SLIDING: (cos[:, :s], sin[:, :s]), FULL: (cos[:, s:], sin[:, s:])}
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        logits = ops.linear(hidden, weight).float()  # [N, V]
         cap = self.args.final_softcap
-        return torch.tanh(logits / cap) * cap if cap else logits
+        if cap and self.head_fusable and gemv.serves("softcap", hidden, weight):
+            return gemv.gemma_gemv("softcap", hidden, weight, cap)  # [N, V] float32: the cap in the GEMV
+        return softcap_logits(ops.linear(hidden, weight), cap)  # [N, V] float32, the cap one pass after it
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         loader, skipped, unknown = CheckpointLoader(self), SkipLog(), []
@@ -150,7 +164,11 @@ class Gemma4ForCausalLM(_GemmaForCausalLM):
         x = self._embed(self.model.embed_tokens, batch.input_ids, self.embed_scale)  # [T, H]
         rotary = self._rotary(batch.positions)
         per_layer = self._per_layer_inputs(batch.input_ids, x) if self.args.per_layer_dim else None
-        for i, (layer, la) in enumerate(zip(self.model.layers, self.args.layers)):
-            x = layer(x, batch, batch.caches[la.kv_source], *rotary[la.kind],
-                      per_layer[:, i] if per_layer is not None else None)
-        return self.model.norm(x)
+        layers = self.model.layers
+        h = layers[0].input_layernorm(x)
+        for i, (layer, la) in enumerate(zip(layers, self.args.layers)):
+            # each layer's tail norms the stream for the next layer (the final norm after the last one)
+            nxt = layers[i + 1].input_layernorm.weight if i + 1 < len(layers) else self.model.norm.weight
+            x, h = layer(x, h, batch, batch.caches[la.kv_source], *rotary[la.kind],
+                         per_layer[:, i] if per_layer is not None else None, nxt)
+        return h

@@ -1,4 +1,6 @@
-"""Fixtures of the gemma plugin's tests: the plugin registered by hand and tiny checkpoints (``gemma_hf``)."""
+"""Fixtures of the gemma plugin's tests: the plugin registered by hand and tiny checkpoints (``gemma_hf``).
+
+One intra-op thread per module comes from the repository's conftest.py, as for every suite."""
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -9,23 +11,13 @@ import torch
 
 import armillary_gemma.hooks as gemma_hooks
 from armillary.registry import PluginRegistry
+from armillary.testing import plugin_registry
 from plugins.gemma.tests.gemma_hf import build_hf
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_intra_op_thread():
-    """Small matmuls run fastest on one thread on a busy 2-core box (OpenMP waits dominate)."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
 
 
 @pytest.fixture
 def gemma_registry() -> PluginRegistry:
-    registry = PluginRegistry()
-    registry.register(gemma_hooks, "gemma", distribution="armillary-gemma")
-    return registry
+    return plugin_registry(gemma_hooks, "gemma", distribution="armillary-gemma")
 
 
 @pytest.fixture

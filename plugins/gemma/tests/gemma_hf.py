@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import torch
 
+from armillary.testing import assert_greedy_matches, hf_greedy  # noqa: F401 - re-exported for this plugin's tests
+
 WINDOW, BLOCK = 12, 4
 LAYERS_8 = ["sliding_attention", "sliding_attention", "full_attention", "sliding_attention", "sliding_attention",
             "full_attention", "sliding_attention", "full_attention"]
@@ -78,28 +80,3 @@ def build_hf(name: str, seed: int = 0) -> torch.nn.Module:
 def prompts(lengths=(40, 43, 29), vocab: int = 160, seed: int = 3) -> list[list[int]]:
     gen = torch.Generator().manual_seed(seed)
     return [torch.randint(3, vocab, (n,), generator=gen).tolist() for n in lengths]
-
-
-def hf_greedy(hf_model: torch.nn.Module, prompt: list[int], new_tokens: int):
-    with torch.no_grad():
-        return hf_model.generate(torch.tensor([prompt]), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                                 do_sample=False, output_logits=True, return_dict_in_generate=True,
-                                 pad_token_id=0)
-
-
-def assert_greedy_matches(llm, hf_model: torch.nn.Module, prompt_list: list[list[int]], new_tokens: int,
-                          atol: float = 1e-4) -> None:
-    """armillary's greedy tokens equal transformers' for ``new_tokens`` steps (EOS suppressed on both sides),
-    and the top-5 log-probabilities agree within ``atol`` at every step."""
-    from armillary import SamplingParams
-
-    params = SamplingParams(temperature=0.0, max_tokens=new_tokens, min_tokens=new_tokens, logprobs=5)
-    outputs = llm.generate([{"prompt_token_ids": p} for p in prompt_list], params)
-    for prompt, output in zip(prompt_list, outputs):
-        ref = hf_greedy(hf_model, prompt, new_tokens)
-        got = output.outputs[0]
-        assert got.token_ids == ref.sequences[0, len(prompt):].tolist(), f"prompt {prompt[:8]}..."
-        for step, logprob in enumerate(got.logprobs):
-            ref_logprobs = torch.log_softmax(ref.logits[step][0].float(), dim=-1)
-            for token_id, value in logprob.top:
-                assert abs(value - ref_logprobs[token_id].item()) < atol, (step, token_id)

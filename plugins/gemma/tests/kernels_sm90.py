@@ -1,12 +1,13 @@
 """Every Triton launch a Gemma 3 27B / Gemma 4 26B-A4B step makes, compiled offline for sm_90 (no GPU needed).
 
 Run as a script (``test_kernels_compile`` does, in a subprocess without TRITON_INTERPRET): the
-kernel wrappers a decoder step calls (the plugin's GeGLU and norm-add-norm, core's norms, fused q/k
-norm + rotary + KV store, paged attention with windows and soft-caps, skinny GEMMs, router and
-gelu-tanh MoE) run at the real shapes under bench/smem_check.py's recorder; each distinct launch is
-compiled through Triton's ttir / ttgir passes and shared-memory allocation for sm_90. The
-interpreter the unit tests use accepts kernels the compiler rejects (a plain-float module global
-read in a kernel, for one): this catches them. Prints one JSON list
+kernel wrappers a decoder step calls (the plugin's GeGLU, norm-add-norm, Gemma 4 norm chains, router
+tail, q/k/v norm + rotary + KV store, logit soft-cap and fused GEMVs; core's norms, fused q/k norm +
+rotary + KV store, paged attention with windows and soft-caps, skinny GEMMs, router and gelu-tanh MoE)
+run at the real shapes under bench/smem_check.py's recorder; each distinct launch is compiled
+through Triton's ttir / ttgir passes and shared-memory allocation for sm_90. The interpreter the
+unit tests use accepts kernels the compiler rejects (a plain-float module global read in a kernel,
+for one): this catches them. Prints one JSON list
 ``[{"kernel", "where", "shared", "limit", "error"}]``.
 
     python plugins/gemma/tests/kernels_sm90.py [--quick]
@@ -34,7 +35,12 @@ from armillary.cache_spec import FullAttention, SlidingWindow  # noqa: E402
 from armillary.kernels import ops, tuning  # noqa: E402
 from armillary.memory.planner import allocate_caches, plan_memory  # noqa: E402
 from armillary_gemma.ops.geglu import gelu_tanh_and_mul  # noqa: E402
+from armillary_gemma.ops.gemv import gemma_gemv  # noqa: E402
+from armillary_gemma.ops.layer_norms import attn_out_norms, layer_tail  # noqa: E402
 from armillary_gemma.ops.norm import norm_add_norm  # noqa: E402
+from armillary_gemma.ops.qkv_rope import qkv_norm_rope_store  # noqa: E402
+from armillary_gemma.ops.router import gemma4_route  # noqa: E402
+from armillary_gemma.ops.softcap import softcap_logits  # noqa: E402
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,10 +104,11 @@ def _attention(m: GemmaShapes, a: Attn, cache, batch, t: int) -> None:
     q, k = pieces[0].view(t, a.heads, d), pieces[1].view(t, a.kv_heads, d)
     v = k if a.k_eq_v else pieces[2].view(t, a.kv_heads, d)
     w = torch.empty(d, dtype=bf)
-    if m.gemma4:
-        v = ops.rms_norm(v, torch.ones(d), 1e-6)
     cos = sin = torch.empty(t, d // 2)  # proportional rope too: its unrotated part is zero frequencies
-    q = ops.qk_norm_rope_store(q, k, v, w, w, 1e-6, cos, sin, cache, batch, zero_centered=not m.gemma4)
+    if m.gemma4:  # the plugin's q / k / v norms + rope + store
+        q = qkv_norm_rope_store(q, k, v, w, w, torch.ones(d, dtype=bf), 1e-6, cos, sin, cache, batch)
+    else:
+        q = ops.qk_norm_rope_store(q, k, v, w, w, 1e-6, cos, sin, cache, batch, zero_centered=True)
     ops.attention(q, cache, batch, d**-0.5, sliding_window=a.window, softcap=m.softcap)
 
 
@@ -110,8 +117,8 @@ def _moe(m: GemmaShapes, x: torch.Tensor) -> None:
     paths explicitly too."""
     from armillary.kernels.triton.moe import fused_moe
 
-    ops.rms_norm(x, torch.ones(m.hidden), 1e-6)
-    weights, ids = ops.softmax_topk(torch.empty(x.shape[0], m.experts, dtype=torch.bfloat16), m.top_k, True)
+    weights, ids = gemma4_route(torch.empty(x.shape[0], m.experts, dtype=torch.bfloat16),
+                                torch.empty(m.experts, dtype=torch.bfloat16), m.top_k)
     w13 = torch.empty(m.experts, 2 * m.moe_inter, m.hidden, dtype=torch.bfloat16)  # never touched
     w2 = torch.empty(m.experts, m.hidden, m.moe_inter, dtype=torch.bfloat16)
     ops.fused_moe(x, w13, w2, weights, ids, "gelu_pytorch_tanh")
@@ -149,17 +156,31 @@ def run_step(m: GemmaShapes, caches: list, query_lens: list[int], context_lens: 
     pair = caches[:2] if m.gemma4 else caches[2:]
     for a, cache in zip(m.attn, pair):
         _attention(m, a, cache, batch, t)
-    norm_add_norm(x, r, w, w, 1e-6, m.zero_centered)
     gelu_tanh_and_mul(torch.empty(t, 2 * m.inter, dtype=bf))
+    if t <= 8:  # the down projection's GEMV with the GeGLU inside (opt-in per table entry)
+        gemma_gemv("geglu", torch.empty(t, 2 * m.inter, dtype=bf), torch.empty(m.hidden, m.inter, dtype=bf))
+    if m.gemma4:  # the norms after attention (with and without experts) and the layer tails
+        router_w = torch.empty(m.experts, m.hidden, dtype=bf)
+        for moe in (True, False):
+            attn_out_norms(x, r, w, w, w if moe else None, w if moe else None, m.hidden**-0.5, 1e-6)
+            if moe and t <= 8:  # decode: the router's projection inside the launch
+                attn_out_norms(x, r, w, w, w, w, m.hidden**-0.5, 1e-6, router_w)
+            layer_tail(x, x if moe else None, r, w, w, w, torch.empty(1, dtype=bf), w, 1e-6)
+        layer_tail(x, None, r, None, None, w, None, None, 1e-6)  # the per-layer-input models' first tail
+        if t <= 64:  # the head's output of a decode step (and a prefill's sampled rows)
+            softcap_logits(torch.empty(t, 262_144, dtype=bf), 30.0)
+        if t <= 8:  # the soft-capped head GEMV (opt-in per table entry)
+            gemma_gemv("softcap", x, torch.empty(262_144, m.hidden, dtype=bf), 30.0)
+    else:
+        norm_add_norm(x, r, w, w, 1e-6, m.zero_centered)
     if m.experts:
         _moe(m, x)
-    ops.add_rms_norm(x, r, w, 1e-6, m.zero_centered)
 
 
 def steps(quick: bool) -> list[tuple[list[int], list[int]]]:
     """Decode at batch 1 and 64 (short and long context), prefill chunks, a mixed step."""
     if quick:
-        return [([1], [100]), ([300], [0])]
+        return [([1], [100]), ([1] * 8, [100] * 8), ([300], [0])]
     return [([1], [100]), ([1] * 64, [1100] * 64), ([1], [MAX_LEN - 1]), ([300], [0]), ([4096], [8192]),
             ([16384], [0]), ([509, 1, 1], [0, 7, 7])]
 

@@ -37,10 +37,11 @@ def test_real_shapes_have_entries(sm90_tables):
     for model, head in (("gemma4", (262144, 2816)), ("gemma3", (262208, 5376))):
         picks = decode_shapes.table_decisions(model)
         assert picks["heads"] == {head}
-        for (n, k, m), use in picks["linear"].items():  # cuBLAS: the heads, and the router at one row
-            assert use == ((n, k) != head and (n, k, m) != (128, 2816, 1)), (model, n, k, m)
+        for (n, k, m), use in picks["linear"].items():  # the H200 sweep decided each (cuBLAS where it was faster)
+            assert use or m > 1 or (n, k) == head, (model, n, k, m)  # batch 1's projections are ours
             asked.add(tri_sg.config_key(m, n, k))
-        assert picks["gemv"] == ({t: True for t in range(1, 9)} if model == "gemma4" else {})
+        gemv = [t for t, use in picks["gemv"].items() if use]
+        assert gemv == (list(range(1, len(gemv) + 1)) if model == "gemma4" else []) and len(gemv) >= (4 * (model == "gemma4"))
     assert picks["keys"] == asked  # the plugin's table: both models' shapes, nothing else
     (moe,) = decode_shapes.moe_shapes("gemma4")
     assert (moe.experts, moe.pairs, moe.inter, moe.activation, moe.gated) == (128, 8, 704, "gelu_pytorch_tanh",

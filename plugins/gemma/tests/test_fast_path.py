@@ -26,11 +26,11 @@ def triton_backend():
     ops.set_backend("auto")  # the engine set it from kernel_backend; later tests get the default back
 
 
-def _llm(directory, registry, budget: int = 12) -> LLM:
+def _llm(directory, registry, budget: int = 12, **engine_args) -> LLM:
     # a 12-token budget mixes chunked prefills (after cached context) with decodes, then decode-only steps
     return LLM(str(directory), registry=registry, dtype="float32", device=DEVICE, max_model_len=64, block_size=4,
                max_num_batched_tokens=budget, cpu_kv_cache_space_gb=0.01, kernel_backend="triton",
-               enforce_eager=True)
+               enforce_eager=True, **engine_args)
 
 
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the interpreter evaluates masked-off lanes too
@@ -48,7 +48,8 @@ def test_triton_kernels_match_transformers(name, tiny_gemma, gemma_registry, tri
 def test_decode_only_step_reads_no_host_lists(tiny_gemma, gemma_registry, triton_backend):
     """A decode-only batch with ``*_cpu = None`` gives the hidden states the reference kernels give."""
     directory, _ = tiny_gemma("gemma4_dense")
-    engine = _llm(directory, gemma_registry, budget=64).engine
+    # no async scheduling (on by default on CUDA): the prefill step would launch the next decode itself
+    engine = _llm(directory, gemma_registry, budget=64, async_scheduling=False).engine
     for i, prompt in enumerate(prompts((9, 14, 3))):
         engine.add_request(str(i), prompt, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
     engine.step()  # the three prefills

@@ -8,7 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-GEMMA_KERNELS = {"_gelu_tanh_and_mul_kernel", "_norm_add_norm_kernel"}
+GEMMA_KERNELS = {"_gelu_tanh_and_mul_kernel", "_norm_add_norm_kernel", "_attn_out_norms_kernel", "_layer_tail_kernel",
+                 "_gemma4_route_kernel", "_qkv_norm_rope_store_kernel", "_softcap_kernel", "_gemma_gemv_kernel"}
 GELU_TANH_MOE_KERNELS = {"moe_gemv_up_kernel", "moe_decode_up_kernel", "_grouped_gemm_kernel"}
 
 

@@ -10,6 +10,7 @@ from armillary import LLM, SamplingParams
 from armillary.cache_spec import FullAttention, SlidingWindow
 from armillary.hf_config import HFConfig
 from armillary.memory.planner import group_layers
+from armillary.testing import LogitsRecorder
 from armillary_gemma.model import Gemma4ForCausalLM
 from plugins.gemma.tests.gemma_hf import BLOCK, CONFIGS, WINDOW, assert_greedy_matches, hf_greedy, prompts
 
@@ -36,15 +37,13 @@ def test_logits_match_to_float32_tolerance(name, tiny_gemma, gemma_registry):
     """Every logits row the engine computes (prefill's last, then each decode) against transformers'."""
     directory, hf_model = tiny_gemma(name)
     llm = _llm(directory, gemma_registry)
-    model, rows = llm.engine.model, []
-    compute = model.compute_logits
-    model.compute_logits = lambda hidden: rows.append(compute(hidden)) or rows[-1]
+    rec = LogitsRecorder(llm.engine.model)
     prompt = prompts()[0]
     llm.generate([{"prompt_token_ids": prompt}], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
     ref = hf_greedy(hf_model, prompt, 8)
-    assert len(rows) == 8
-    for got, want in zip(rows, ref.logits):
-        torch.testing.assert_close(got[0], want[0].float(), rtol=1e-4, atol=1e-4)
+    assert len(rec.rows) == 8
+    for got, want in zip(rec.rows, ref.logits):
+        torch.testing.assert_close(got, want[0].float(), rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("name", ["gemma3", "gemma4_dense"])

@@ -22,7 +22,8 @@ def test_entry_point_registers_both_families_and_the_gemma4_parsers(monkeypatch)
     assert (gemma4.default_tool_parser, gemma4.default_reasoning_parser) == ("gemma4", "gemma4_thinking")
     assert registry.resolve_architecture(["Gemma3ForCausalLM"]).default_tool_parser is None
     assert {"gemma4", "gemma4_thinking"} <= set(info.parsers)
-    assert {"triton_gelu_tanh_and_mul", "torch_gelu_tanh_and_mul", "triton_norm_add_norm"} <= set(info.kernels)
+    assert {"triton_gelu_tanh_and_mul", "torch_gelu_tanh_and_mul", "triton_norm_add_norm", "triton_gemma4_layer_tail",
+            "triton_gemma_gemv", "torch_gemma_gemv"} <= set(info.kernels)
 
 
 def test_published_gemma3_config_defaults_and_pattern():

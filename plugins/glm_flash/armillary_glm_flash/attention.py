@@ -3,8 +3,11 @@
 ``q_a_proj`` -> ``q_a_layernorm`` -> ``q_b_proj`` (or one ``q_proj`` without ``q_lora_rank``) gives
 per head ``nope`` + ``rope`` query dims; ``kv_a_proj_with_mqa`` gives the ``kv_lora_rank`` latent
 (normed by ``kv_a_layernorm``) and one rope key shared by all heads; the cache keeps
-``[latent | rotated rope key]`` per token. Decode runs the absorbed form over latents
-(``ops/mla/decode.py``); prefill chunks expand keys and values through ``kv_b_proj`` and run MHA.
+``[latent | rotated rope key]`` per token. Decode runs the absorbed form over latents: on Triton three
+launches per layer between the projections (``ops/mla/absorb.py``: rope / norm / store and q through
+W_UK; ``ops/mla/decode.py``: attention over the latents; ``ops/mla/expand.py``: the splits combined
+and taken through W_UV into ``o_proj``'s layout); prefill chunks expand keys and values through
+``kv_b_proj`` and run MHA.
 """
 from __future__ import annotations
 
@@ -22,21 +25,13 @@ from armillary.layers import (
 )
 from armillary.parallel import get_parallel
 from armillary_glm_flash.config import GlmFlashConfig
+from armillary_glm_flash.ops.mla.absorb import mla_absorb, mla_absorb_rope_store
+from armillary_glm_flash.ops.mla.expand import mla_decode_values
 from armillary_glm_flash.ops.mla.naive import absorb_query, expand_values, gather_latent, mla_decode_ref, rope_store_ref
 from armillary_glm_flash.ops.mla.prefill import decompressed_attention, expanded_keys
 from armillary_glm_flash.ops.mla.rope_store import mla_rope_store
 
 ABSORB_MAX_QUERY = 8  # a chunk of at most this many tokens after cached context attends over latents
-
-
-def latent_decode(q_lat: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tensor, block_tables: torch.Tensor,
-                  seq_lens: torch.Tensor, scale: float, max_seq_len: int) -> torch.Tensor:
-    """The absorbed attention of one query row each: the Triton kernel where Triton serves, else the reference."""
-    if ops.use_triton(q_lat):
-        from armillary_glm_flash.ops.mla.decode import mla_decode
-
-        return mla_decode(q_lat, q_pe, kv, block_tables, seq_lens, scale, max_seq_len)
-    return mla_decode_ref(q_lat, q_pe, kv, block_tables, seq_lens, scale, max_seq_len)
 
 
 class LatentAttention(nn.Module):
@@ -84,6 +79,10 @@ class LatentAttention(nn.Module):
         w = self.kv_b_proj.weight.view(self.num_heads, self.nope + self.v_dim, self.kv_lora_rank)
         return w[:, : self.nope], w[:, self.nope:]
 
+    def _triton(self, x: torch.Tensor) -> bool:
+        """Whether the absorbed steps run the Triton kernels (they read ``kv_b_proj.weight`` in x's dtype)."""
+        return ops.use_triton(x) and self.kv_b_proj.weight.dtype == x.dtype
+
     def forward(self, x: torch.Tensor, batch: ForwardBatch, cache: LatentCache, cos: torch.Tensor,
                 sin: torch.Tensor) -> torch.Tensor:
         """x: [T, H]; cos, sin: [T, rope // 2] -> [T, H]. Writes the new latents to ``cache``."""
@@ -95,39 +94,51 @@ class LatentAttention(nn.Module):
             q = self.q_proj(x) if self.q_lora_rank is None else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
             ckv = self.kv_a_proj_with_mqa(x)  # [T, Dl + Dr]
         q = q.view(num_tokens, self.num_heads, self.nope + self.rope)
-        # kv_a_layernorm, rotary on the rope key and (in place) on q's rope dims, the latent store: one launch
-        store = mla_rope_store if ops.use_triton(x) else rope_store_ref
-        store(q, ckv, self.kv_a_layernorm.weight, self.kv_a_layernorm.eps, cos, sin, cache.kv,
-              batch.slot_mapping_of(cache), self.interleaved)
-        q_nope, q_pe = q[..., : self.nope], q[..., self.nope:]
+        # kv_a_layernorm, rotary on the rope key and (in place) on q's rope dims, the latent store
+        store_args = (ckv, self.kv_a_layernorm.weight, self.kv_a_layernorm.eps, cos, sin, cache.kv,
+                      batch.slot_mapping_of(cache), self.interleaved)
+        all_absorbed = batch.is_decode_only or batch.query_start_loc_cpu is None
+        q_lat = None
+        if all_absorbed and self._triton(x):  # ... and q_nope through W_UK, in the same launch
+            q_lat = mla_absorb_rope_store(q, self.absorbed_weights()[0], *store_args)  # [T, H, Dl]
+        elif ops.use_triton(x):
+            mla_rope_store(q, *store_args)
+        else:
+            rope_store_ref(q, *store_args)
         if batch.is_decode_only:
-            out = self._absorbed(q_nope, q_pe, cache.kv, batch.block_tables_of(cache), batch.seq_lens,
+            out = self._absorbed(q, q_lat, cache.kv, batch.block_tables_of(cache), batch.seq_lens,
                                  batch.max_seq_len)
         elif batch.query_start_loc_cpu is None:
-            out = self._verify(q_nope, q_pe, cache, batch)
+            out = self._verify(q, q_lat, cache, batch)
         else:
             out = self._prefill(q, cache, batch)
-        return self.o_proj(out.reshape(num_tokens, self.num_heads * self.v_dim))
+        return self.o_proj(out)
 
-    def _absorbed(self, q_nope: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tensor, block_tables: torch.Tensor,
+    def _absorbed(self, q: torch.Tensor, q_lat: torch.Tensor | None, kv: torch.Tensor, block_tables: torch.Tensor,
                   seq_lens: torch.Tensor, max_seq_len: int) -> torch.Tensor:
-        """Rows of one query each: [R, H, nope], [R, H, Dr] -> [R, H, v]."""
+        """Rows of one query each: q [R, H, nope + Dr] (rope dims rotated), q_lat [R, H, Dl] if already
+        absorbed -> [R, H · v] (``o_proj``'s input)."""
         w_uk, w_uv = self.absorbed_weights()
-        q_lat = absorb_query(q_nope, w_uk)  # [R, H, Dl]
-        out_lat = latent_decode(q_lat, q_pe, kv, block_tables, seq_lens, self.scale, max_seq_len)
-        return expand_values(out_lat, w_uv)
+        q_pe = q[..., self.nope:]
+        if self._triton(q):
+            if q_lat is None:
+                q_lat = mla_absorb(q[..., : self.nope], w_uk)
+            return mla_decode_values(q_lat, q_pe, kv, block_tables, seq_lens, self.scale, max_seq_len, w_uv)
+        q_lat = absorb_query(q[..., : self.nope], w_uk)  # [R, H, Dl]
+        out_lat = mla_decode_ref(q_lat, q_pe, kv, block_tables, seq_lens, self.scale, max_seq_len)
+        return expand_values(out_lat, w_uv).reshape(q.shape[0], self.num_heads * self.v_dim)
 
-    def _verify(self, q_nope: torch.Tensor, q_pe: torch.Tensor, cache: LatentCache,
+    def _verify(self, q: torch.Tensor, q_lat: torch.Tensor | None, cache: LatentCache,
                 batch: ForwardBatch) -> torch.Tensor:
         """A step without host lists (a captured speculative verify): every sequence has the same number of new
         tokens after its context, so token ``t`` belongs to sequence ``t // (T / B)``; all absorbed, no host sync."""
-        num_tokens, num_seqs = q_nope.shape[0], batch.num_seqs
+        num_tokens, num_seqs = q.shape[0], batch.num_seqs
         if num_seqs == 0 or num_tokens % num_seqs:
             raise RuntimeError("an MLA step without host lists needs the same number of new tokens per sequence")
-        seqs = torch.arange(num_tokens, device=q_nope.device) // (num_tokens // num_seqs)
+        seqs = torch.arange(num_tokens, device=q.device) // (num_tokens // num_seqs)
         lens = (batch.positions + 1).to(torch.int32)  # each row sees up to itself
         tables = batch.block_tables_of(cache).index_select(0, seqs)
-        return self._absorbed(q_nope, q_pe, cache.kv, tables, lens, batch.max_seq_len)
+        return self._absorbed(q, q_lat, cache.kv, tables, lens, batch.max_seq_len)
 
     def _prefill(self, q: torch.Tensor, cache: LatentCache, batch: ForwardBatch) -> torch.Tensor:
         """A mixed step: fresh prompts and long chunks decompressed, short chunks after context absorbed.
@@ -136,7 +147,6 @@ class LatentAttention(nn.Module):
         if qsl is None or ctx is None:
             raise RuntimeError("MLA prefill needs the batch's host lists (it never runs inside a CUDA graph)")
         num_tokens = q.shape[0]
-        q_nope, q_pe = q[..., : self.nope], q[..., self.nope:]
         out = q.new_empty(num_tokens, self.num_heads, self.v_dim)
         tables = batch.block_tables_of(cache)
         fresh_kv = fresh_pe = None  # the new tokens' expanded latents, computed once if a fresh prompt needs them
@@ -168,6 +178,6 @@ class LatentAttention(nn.Module):
             index = torch.tensor(rows, dtype=torch.long, device=q.device)
             seqs = torch.tensor(row_seqs, dtype=torch.long, device=q.device)
             lens = (batch.positions.index_select(0, index) + 1).to(torch.int32)  # each row sees up to itself
-            out[index] = self._absorbed(q_nope.index_select(0, index), q_pe.index_select(0, index), cache.kv,
-                                        tables.index_select(0, seqs), lens, batch.max_seq_len)
-        return out
+            out[index] = self._absorbed(q.index_select(0, index), None, cache.kv, tables.index_select(0, seqs),
+                                        lens, batch.max_seq_len).view(len(rows), self.num_heads, self.v_dim)
+        return out.view(num_tokens, self.num_heads * self.v_dim)

@@ -2,9 +2,10 @@
 ``n_group`` > 1), routed experts and always-on shared experts in one core ``FusedMoE``.
 
 The router (``gate``) keeps float32 weights and logits, as transformers does (its weight stays
-float32 in a bf16 model). Routed weights are the chosen experts' unbiased sigmoid scores,
-renormalised (``norm_topk_prob``) and times ``routed_scaling_factor``. The shared MLP
-(``shared_experts``, ``n_shared_experts × moe_intermediate_size`` wide) is cut into
+float32 in a bf16 model); decode rows take ``ops/router.py`` (x widened inside the kernel). Routed
+weights are the chosen experts' unbiased sigmoid scores, renormalised (``norm_topk_prob``) and times
+``routed_scaling_factor``. The shared MLP (``shared_experts``, ``n_shared_experts ×
+moe_intermediate_size`` wide) is cut into
 ``n_shared_experts`` experts of the routed width, stored after the routed ones with weight 1:
 an MLP's output is the sum of its column blocks' outputs, so this is the same sum in one call.
 """
@@ -20,6 +21,7 @@ from armillary.errors import WeightLoadError
 from armillary.kernels import ops
 from armillary.layers import FusedMoE
 from armillary_glm_flash.config import GlmFlashConfig
+from armillary_glm_flash.ops import router as router_ops
 
 _SHARED = re.compile(r"shared_experts\.(?P<proj>gate|up|down)_proj\.weight")
 
@@ -34,7 +36,9 @@ class Router(nn.Module):
                                                     requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x: [T, H] -> float32 logits [T, E]."""
+        """x: [T, H] -> float32 logits [T, E]; decode rows on Triton in one launch (the cast folded in)."""
+        if x.shape[0] <= router_ops.MAX_ROWS and x.stride(-1) == 1 and ops.use_triton(x):
+            return router_ops.router_logits(x, self.weight)
         return F.linear(x.float(), self.weight)
 
 

@@ -2,12 +2,14 @@
 reference the armillary model is held to (odd latent / rope / head sizes, dense-then-sparse layers)."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 import transformers as tf
+
+from armillary.testing import Reference, greedy_reference
 
 VOCAB = 300
 PROMPT_LENGTHS = (1, 9, 40, 100)
@@ -69,27 +71,6 @@ def prompts() -> list[list[int]]:
     return [torch.randint(2, VOCAB, (n,), generator=gen).tolist() for n in PROMPT_LENGTHS]
 
 
-@dataclass
-class Reference:
-    """transformers' greedy continuation of each prompt and the logits behind every new token."""
-
-    case: Case
-    model_dir: Path
-    prompts: list[list[int]]
-    tokens: list[list[int]] = field(default_factory=list)
-    logits: list[torch.Tensor] = field(default_factory=list)  # per prompt [NEW_TOKENS, V]
-
-
-@torch.no_grad()
 def make_reference(case: Case, model_dir: Path) -> Reference:
-    model = build_hf_model(case)
-    model.save_pretrained(model_dir)
-    ref = Reference(case, model_dir, prompts())
-    for prompt in ref.prompts:
-        ids = torch.tensor([prompt])
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS,
-                             min_new_tokens=NEW_TOKENS, do_sample=False, output_logits=True,
-                             return_dict_in_generate=True, pad_token_id=0)
-        ref.tokens.append(out.sequences[0, len(prompt):].tolist())
-        ref.logits.append(torch.cat(out.logits).float())
-    return ref
+    """The case's model saved to ``model_dir``, with its greedy continuation of each prompt."""
+    return greedy_reference(build_hf_model(case), model_dir, prompts(), NEW_TOKENS, case=case)

@@ -34,8 +34,10 @@ def test_real_shapes_have_entries(sm90_tables):
     picks = decode_shapes.table_decisions("glm")
     assert not picks["heads"]  # the head stays on F.linear (LMHead)
     assert {(n, k) for n, k, _ in picks["linear"]} == SHAPES
-    assert all(picks["linear"].values()), [key for key, use in picks["linear"].items() if not use]
-    assert picks["gemv"] == {t: True for t in range(1, 9)}
+    # the H200 sweep decided each shape and row count (cuBLAS where it was faster); at batch 1 every one is ours
+    assert all(use for (n, k, m), use in picks["linear"].items() if m == 1), picks["linear"]
+    gemv = [t for t, use in picks["gemv"].items() if use]
+    assert gemv == list(range(1, len(gemv) + 1)) and len(gemv) >= 4  # batch 1..4 at least, then the decode kernels
     assert picks["keys"] == {tri_sg.config_key(m, n, k) for n, k, m in picks["linear"]}
     (moe,) = decode_shapes.moe_shapes("glm")
     assert (moe.experts, moe.shared, moe.pairs, moe.activation, moe.gated) == (65, 1, 5, "silu", True)

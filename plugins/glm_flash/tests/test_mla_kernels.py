@@ -152,7 +152,8 @@ def test_rope_store_matches_reference(interleaved, dtype):
 
 
 def test_decode_launches_fit_sm90_shared_memory():
-    """The default and the largest swept config, compiled offline for sm_90 (no GPU): within its shared memory."""
+    """The decode kernel's default and largest swept config, and the absorb / expand / router launches at 1, 8
+    and 64 rows, compiled offline for sm_90 (no GPU): each within its shared memory."""
     import json
     import os
     import subprocess
@@ -165,7 +166,8 @@ def test_decode_launches_fit_sm90_shared_memory():
                           text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
     rows = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert {r["kernel"] for r in rows} == {"_mla_decode_split_kernel", "_mla_combine_kernel"}
+    assert {r["kernel"] for r in rows} == {"_mla_decode_split_kernel", "_mla_combine_kernel", "_mla_absorb_kernel",
+                                          "_mla_expand_kernel", "_router_logits_kernel"}
     for r in rows:
         assert r["shared"] <= r["limit"], r
     assert max(r["shared"] for r in rows) > 0  # the split kernel stages its tiles in shared memory

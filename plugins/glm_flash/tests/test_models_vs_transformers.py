@@ -3,16 +3,22 @@ logits at every step, greedy continuations, batched / chunked / mixed steps, dec
 lists (as a CUDA graph stages them), both expert layouts, the cache layout."""
 from __future__ import annotations
 
-import re
-
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
 
 from armillary.cache_spec import LatentAttention
+from armillary.testing import (
+    assert_batched_greedy,
+    assert_logits_close as _assert_close,
+    assert_stepwise_greedy,
+    lazy_references,
+    read_checkpoint,
+    swap_expert_layout,
+    write_checkpoint,
+)
 from armillary_glm_flash.model import Glm4MoeLiteForCausalLM
 from plugins.glm_flash.tests.harness import Harness
-from plugins.glm_flash.tests.hf_models import CASES, GROUPED, NEW_TOKENS, Case, Reference, make_reference
+from plugins.glm_flash.tests.hf_models import CASES, GROUPED, NEW_TOKENS, Case, make_reference
 
 
 def ids(cases: list[Case]) -> list[str]:
@@ -21,20 +27,11 @@ def ids(cases: list[Case]) -> list[str]:
 
 @pytest.fixture(scope="module")
 def references(tmp_path_factory):
-    built: dict[str, Reference] = {}
-
-    def get(case: Case) -> Reference:
-        if case.name not in built:
-            built[case.name] = make_reference(case, tmp_path_factory.mktemp(case.name))
-        return built[case.name]
-
-    return get
+    return lazy_references(make_reference, tmp_path_factory)
 
 
 def assert_logits_close(got: torch.Tensor, ref: torch.Tensor, what: str) -> None:
-    err = (got - ref).abs().max().item()
-    scale = ref.abs().max().item()
-    assert err <= 2e-5 * max(scale, 1.0), f"{what}: max |diff| {err:.3g} against max |logit| {scale:.3g}"
+    _assert_close(got, ref, what, tol=2e-5)
 
 
 @pytest.mark.parametrize("case", [*CASES, GROUPED], ids=ids([*CASES, GROUPED]))
@@ -42,29 +39,13 @@ def test_greedy_decode_matches_generate(case, references):
     """Each prompt alone: prompt logits, every decode step's logits (steps staged as a CUDA graph stages
     them: no host lists) and all 32 greedy tokens."""
     ref = references(case)
-    harness = Harness(ref.model_dir)
-    for seq, prompt in enumerate(ref.prompts):
-        logits = harness.step([(seq, prompt)])[0]
-        tokens = []
-        for step in range(NEW_TOKENS):
-            assert_logits_close(logits, ref.logits[seq][step], f"prompt {seq} ({len(prompt)} tokens) step {step}")
-            tokens.append(int(logits.argmax()))
-            logits = harness.step([(seq, tokens[-1:])], decode_only=True)[0]
-        assert tokens == ref.tokens[seq], f"prompt {seq}: greedy continuation differs"
+    assert_stepwise_greedy(Harness(ref.model_dir), ref, NEW_TOKENS, assert_logits_close, decode_only=True)
 
 
 @pytest.mark.parametrize("case", CASES, ids=ids(CASES))
 def test_batched_prefill_then_batched_decode(case, references):
     ref = references(case)
-    harness = Harness(ref.model_dir)
-    logits = harness.step(list(enumerate(ref.prompts)))
-    tokens: list[list[int]] = [[] for _ in ref.prompts]
-    for step in range(NEW_TOKENS):
-        for seq in range(len(ref.prompts)):
-            assert_logits_close(logits[seq], ref.logits[seq][step], f"prompt {seq} step {step}")
-            tokens[seq].append(int(logits[seq].argmax()))
-        logits = harness.step([(seq, t[-1:]) for seq, t in enumerate(tokens)], decode_only=True)
-    assert tokens == ref.tokens
+    assert_batched_greedy(Harness(ref.model_dir), ref, NEW_TOKENS, assert_logits_close, decode_only=True)
 
 
 @pytest.mark.parametrize("case", CASES, ids=ids(CASES))
@@ -106,30 +87,11 @@ def test_uniform_steps_without_host_lists(references):
         assert_logits_close(logits[row], ref.logits[seq][k + 1], f"prompt {seq} verify row {k}")
 
 
-def _stacked_experts(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Per-expert ``experts.E.{gate,up,down}_proj.weight`` -> transformers 5's fused ``gate_up_proj`` / ``down_proj``."""
-    per_expert = re.compile(r"^(.+\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$")
-    out: dict[str, torch.Tensor] = {}
-    grouped: dict[str, dict[tuple[int, str], torch.Tensor]] = {}
-    for name, t in tensors.items():
-        if m := per_expert.match(name):
-            grouped.setdefault(m[1], {})[(int(m[2]), m[3])] = t
-        else:
-            out[name] = t
-    for prefix, parts in grouped.items():
-        n = 1 + max(e for e, _ in parts)
-        out[f"{prefix}.gate_up_proj"] = torch.stack([torch.cat((parts[e, "gate"], parts[e, "up"])) for e in range(n)])
-        out[f"{prefix}.down_proj"] = torch.stack([parts[e, "down"] for e in range(n)])
-    return out
-
-
 def test_stacked_expert_layout_loads_identically(references, tmp_path):
     ref = references(CASES[0])
-    saved = load_file(str(ref.model_dir / "model.safetensors"))
-    stacked = _stacked_experts(saved)
+    stacked = swap_expert_layout(read_checkpoint(ref.model_dir))  # transformers saves per-expert names
     assert any(k.endswith("experts.gate_up_proj") for k in stacked)
-    (tmp_path / "config.json").write_text((ref.model_dir / "config.json").read_text())
-    save_file({k: v.contiguous() for k, v in stacked.items()}, str(tmp_path / "model.safetensors"))
+    write_checkpoint(tmp_path, stacked, source=ref.model_dir)
     a, b = Harness(ref.model_dir), Harness(tmp_path)
     for (na, pa), (nb, pb) in zip(a.model.state_dict().items(), b.model.state_dict().items()):
         assert na == nb and torch.equal(pa, pb), na

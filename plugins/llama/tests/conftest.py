@@ -16,6 +16,7 @@ import pytest
 import torch
 
 import armillary_llama.hooks as llama_hooks
+from armillary import testing
 from armillary.registry import PluginRegistry
 
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -33,9 +34,7 @@ def _one_intra_op_thread():
 
 @pytest.fixture
 def llama_registry() -> PluginRegistry:
-    registry = PluginRegistry()
-    registry.register(llama_hooks, "llama", distribution="armillary-llama")
-    return registry
+    return testing.plugin_registry(llama_hooks, "llama", distribution="armillary-llama")
 
 
 @pytest.fixture(scope="session")
@@ -175,21 +174,7 @@ def assert_greedy_matches(llm, hf_model: torch.nn.Module, prompts: list[list[int
                           atol: float = 1e-3) -> None:
     """armillary's greedy tokens equal transformers' token for token (EOS suppressed on both sides for
     ``new_tokens``), and the top-5 log-probabilities at every step agree within ``atol``."""
-    from armillary import SamplingParams
-
-    params = SamplingParams(temperature=0.0, max_tokens=new_tokens, min_tokens=new_tokens, logprobs=5)
-    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
-    for prompt, output in zip(prompts, outputs):
-        with torch.no_grad():
-            ref = hf_model.generate(torch.tensor([prompt]), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                                    do_sample=False, output_logits=True, return_dict_in_generate=True,
-                                    pad_token_id=hf_model.config.eos_token_id)
-        got = output.outputs[0]
-        assert got.token_ids == ref.sequences[0, len(prompt):].tolist(), f"prompt {prompt[:8]}..."
-        for step, logprob in enumerate(got.logprobs):
-            ref_logprobs = torch.log_softmax(ref.logits[step][0].float(), dim=-1)
-            for token_id, value in logprob.top:
-                assert abs(value - ref_logprobs[token_id].item()) < atol, (step, token_id)
+    testing.assert_greedy_matches(llm, hf_model, prompts, new_tokens, atol, pad_token_id=hf_model.config.eos_token_id)
 
 
 @pytest.fixture(scope="session")

@@ -76,8 +76,10 @@ def test_decode_only_step_reads_no_host_lists(tiny_llama, llama_registry, triton
     """A decode-only batch with ``*_cpu = None`` (what a CUDA-graph step carries) gives the hidden states
     the reference kernels give on the same batch with its host lists."""
     directory, _ = tiny_llama("graphless", num_hidden_layers=2)
+    # no async scheduling (on by default on CUDA): the prefill step would launch the next decode itself
     llm = LLM(str(directory), registry=llama_registry, dtype="float32", device=DEVICE, max_model_len=64,
-              block_size=8, cpu_kv_cache_space_gb=0.01, kernel_backend="triton", enforce_eager=True)
+              block_size=8, cpu_kv_cache_space_gb=0.01, kernel_backend="triton", enforce_eager=True,
+              async_scheduling=False)
     engine = llm.engine
     for i, prompt in enumerate(_prompts(160, (9, 17, 3))):
         engine.add_request(str(i), prompt, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))

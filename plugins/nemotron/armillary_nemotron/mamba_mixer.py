@@ -1,9 +1,11 @@
 """The Mamba-2 mixer of Nemotron-H: in_proj -> z | xBC | dt, causal conv + SiLU, SSD scan, grouped gated RMSNorm, out_proj.
 
-Prefill chunks (and batches that mix them with decodes) run core's varlen causal conv1d and the
-chunked SSD scan, each sequence continuing from its slot's conv window and fp32 SSM state and
-writing them back; decode-only steps on the Triton path run one fused decode kernel (conv update,
-selective state update, gated norm), which reads no host list, so the step can be captured in a CUDA graph.
+Prefill chunks (and batches that mix them with decodes) run core's varlen causal conv1d, the
+chunked SSD scan (parallel over chunks for long batches) and the grouped gated norm reading z in
+place, each sequence continuing from its slot's conv window and fp32 SSM state and writing them
+back; decode-only steps on the Triton path run one fused decode kernel (conv update, selective
+state update, D skip, softplus dt, gated norm; A = -exp(A_log) taken inside), which reads no host
+list, so the step can be captured in a CUDA graph: in_proj, that kernel and out_proj per layer.
 dt = max(softplus(dt + dt_bias), time_step_min) on both paths (transformers applies the floor in
 its chunked path only; a floor that differs between paths would make a recomputed prefix differ).
 """
@@ -52,7 +54,6 @@ class Mamba2Mixer(nn.Module):
         conv_states, ssm_states = cache.tensors  # [slots, conv_dim, K-1], [slots, H, P, N] fp32
         projected = self.in_proj(x)  # [T, d_inner + conv_dim + H]
         z, xbc, dt = projected.split([self.d_inner, self.conv_dim, self.heads], dim=-1)
-        A = -torch.exp(self.A_log)  # [H]
         weight, bias = self.conv1d.weight[:, 0], self.conv1d.bias
         slots = batch.state_slots
         gn = self.groups * self.state_size
@@ -60,23 +61,28 @@ class Mamba2Mixer(nn.Module):
         if fast and batch.is_decode_only:  # conv, state update and gated norm in one launch
             from armillary_nemotron.ops.mamba.decode import mamba_decode_step
 
-            y = mamba_decode_step(xbc, z, dt, weight, bias, conv_states, A, self.D, self.dt_bias, self.dt_min,
-                                  self.norm.weight, self.norm.eps, ssm_states, slots, self.heads, self.head_dim)
+            y = mamba_decode_step(xbc, z, dt, weight, bias, conv_states, self.A_log, self.D, self.dt_bias,
+                                  self.dt_min, self.norm.weight, self.norm.eps, ssm_states, slots, self.heads,
+                                  self.head_dim)
             return self.out_proj(y)
         xbc = ops.causal_conv1d(xbc, weight, bias, conv_states, slots, batch, activation="silu")  # [T, conv_dim]
         xs, B, C = xbc.split([self.d_inner, gn, gn], dim=-1)
         if fast:
+            from armillary_nemotron.ops.mamba.gated_norm import gated_group_norm
             from armillary_nemotron.ops.mamba.ssd_scan import ssd_chunk_scan
 
-            y = ssd_chunk_scan(xs, B, C, dt, A, self.D, self.dt_bias, self.dt_min, batch.query_start_loc, ssm_states,
-                               slots, self.heads, self.head_dim)  # [T, d_inner]
-        else:  # the reference walks the sequences on the host (CPU path; never inside a CUDA graph)
-            num_tokens = x.shape[0]
-            y = ssd_chunk_scan_ref(xs.reshape(num_tokens, self.heads, self.head_dim), dt, A,
-                                   B.reshape(num_tokens, self.groups, self.state_size),
-                                   C.reshape(num_tokens, self.groups, self.state_size), self.D, self.dt_bias,
-                                   self.dt_min, self.chunk_size, batch.query_start_loc_cpu, ssm_states, slots)
-            y = y.reshape(num_tokens, self.d_inner)
-        # norm(y · silu(z)) · w per group of d_inner / n_groups channels; the grouped kernel wants z contiguous
+            y = ssd_chunk_scan(xs, B, C, dt, self.A_log, self.D, self.dt_bias, self.dt_min, batch.query_start_loc,
+                               ssm_states, slots, self.heads, self.head_dim)  # [T, d_inner]
+            # norm(y · silu(z)) · w per group, z read in place (core's grouped norm would want a copy of it)
+            return self.out_proj(gated_group_norm(y, z, self.norm.weight, self.norm.eps, self.norm.group_size))
+        # the reference walks the sequences on the host (CPU path; never inside a CUDA graph)
+        num_tokens = x.shape[0]
+        A = -torch.exp(self.A_log)  # [H] (the Triton kernels take A_log: no launch for it)
+        y = ssd_chunk_scan_ref(xs.reshape(num_tokens, self.heads, self.head_dim), dt, A,
+                               B.reshape(num_tokens, self.groups, self.state_size),
+                               C.reshape(num_tokens, self.groups, self.state_size), self.D, self.dt_bias,
+                               self.dt_min, self.chunk_size, batch.query_start_loc_cpu, ssm_states, slots)
+        y = y.reshape(num_tokens, self.d_inner)
+        # norm(y · silu(z)) · w per group of d_inner / n_groups channels (the reference wants z contiguous)
         y = self.norm(y, z.contiguous())
         return self.out_proj(y.to(x.dtype))

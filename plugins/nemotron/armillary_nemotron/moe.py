@@ -49,6 +49,10 @@ class TopkRouter(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, H] -> float32 logits [T, E] (fp32 GEMM: the routing choice is sensitive to rounding)."""
+        if ops.use_triton(x):  # one launch, x widened in registers (no fp32 copy, no cuBLAS dot + reduce)
+            from armillary_nemotron.ops.router import router_logits
+
+            return router_logits(x, self.weight)
         return F.linear(x.float(), self.weight)
 
 

@@ -45,13 +45,14 @@ def layer_inputs(batch: int, seed: int) -> dict:
     proj = rnd(batch, d_inner + conv_dim + HEADS).to(DEVICE, DTYPE)
     z, xbc, dt = proj.split([d_inner, conv_dim, HEADS], dim=-1)
     return dict(xbc=xbc, z=z, dt=dt, w=rnd(conv_dim, KW).to(DEVICE, DTYPE), b=rnd(conv_dim).to(DEVICE, DTYPE),
-                conv=rnd(batch, conv_dim, KW - 1).to(DEVICE, DTYPE), A=-torch.rand(HEADS, generator=g).to(DEVICE),
+                conv=rnd(batch, conv_dim, KW - 1).to(DEVICE, DTYPE),
+                A_log=torch.log(torch.rand(HEADS, generator=g) + 0.1).to(DEVICE),
                 D=rnd(HEADS).to(DEVICE), dt_bias=rnd(HEADS).to(DEVICE), norm_w=rnd(d_inner).to(DEVICE, DTYPE),
                 states=(rnd(batch, HEADS, P, N) * 0.3).to(DEVICE), slots=torch.arange(batch, device=DEVICE))
 
 
 def step(a: dict, conv: torch.Tensor, states: torch.Tensor, cfg: dict) -> torch.Tensor:
-    return mamba_decode_step(a["xbc"], a["z"], a["dt"], a["w"], a["b"], conv, a["A"], a["D"], a["dt_bias"], 1e-3,
+    return mamba_decode_step(a["xbc"], a["z"], a["dt"], a["w"], a["b"], conv, a["A_log"], a["D"], a["dt_bias"], 1e-3,
                              a["norm_w"], 1e-5, states, a["slots"], HEADS, P, config=cfg)
 
 

@@ -1,7 +1,8 @@
 """Shared memory of the nemotron plugin's Triton kernels, compiled offline for sm_90 / sm_121 (no GPU needed).
 
-Calls the Mamba-2 kernel wrappers (SSD scan, fused decode step) and the group-limited router at the Nemotron-3-Nano bf16 shapes
-and the tiny fp32 test shapes under core's launch recorder (``bench/smem_check.py``: nothing runs,
+Calls the Mamba-2 kernel wrappers (SSD scan, serial and chunked; prefill gated norm; fused decode
+step), the router's fp32 logits kernels and the group-limited top-k at the Nemotron-3-Nano bf16
+shapes and the tiny fp32 test shapes under core's launch recorder (``bench/smem_check.py``: nothing runs,
 the wrappers read the target's tuning tables), compiles each distinct launch through Triton's
 passes up to shared-memory allocation and compares it with the target's limit. This also proves
 the kernels compile for the GPU, which the CPU interpreter cannot show.
@@ -32,7 +33,9 @@ import smem_check as core_check  # noqa: E402
 from armillary.kernels import tuning  # noqa: E402
 from armillary.kernels.triton.moe_routing import topk_sigmoid_bias  # noqa: E402
 from armillary_nemotron.ops.mamba.decode import mamba_decode_step  # noqa: E402
+from armillary_nemotron.ops.mamba.gated_norm import gated_group_norm  # noqa: E402
 from armillary_nemotron.ops.mamba.ssd_scan import ssd_chunk_scan  # noqa: E402
+from armillary_nemotron.ops.router import router_logits  # noqa: E402
 
 # name, dtype, heads, head_dim, groups, state, conv kernel
 SHAPES = {
@@ -59,10 +62,18 @@ def _launch_mamba(dtype, heads, p, groups, n, kw, batch: int, tokens: int) -> No
     x, B, C = xbc.split([d_inner, groups * n, groups * n], dim=-1)
     cu = torch.zeros(batch + 1, dtype=torch.int32)
     ssd_chunk_scan(x, B, C, dt, A, D, dt_bias, 1e-3, cu, ssm_states, slots, heads, p)
+    if tokens > batch:  # the prefill's gated norm, z read in place
+        gated_group_norm(x, z, torch.empty(d_inner, dtype=dtype), 1e-5, d_inner // groups)
 
 
-def _launch_router(experts: int, top_k: int, tokens: int) -> None:
-    """The model's sigmoid router: one group (Nano) and grouped (n_group 8, best 4: DeepSeek-style configs)."""
+def _launch_router(experts: int, top_k: int, tokens: int, hidden: int, dtype: torch.dtype) -> None:
+    """The fp32 logits (FMA rows in the model dtype, the three-term bf16 kernel at 64 and 16K rows), then the
+    sigmoid top-k: one group (Nano) and grouped (n_group 8, best 4: DeepSeek-style configs)."""
+    weight = torch.empty(experts, hidden)
+    for rows in (1, 4, 8):
+        router_logits(torch.empty(rows, hidden, dtype=dtype), weight)
+    for rows in (64, 16384):
+        router_logits(torch.empty(rows, hidden, dtype=torch.bfloat16), weight)
     logits, bias = torch.empty(tokens, experts), torch.empty(experts)
     topk_sigmoid_bias(logits, bias, top_k, True, 2.5, 2)
     topk_sigmoid_bias(logits, bias, top_k, True, 2.5, 2, n_group=8, topk_group=4)
@@ -80,7 +91,8 @@ def check(targets: list[str], exact: bool = False) -> list[dict]:
                         where[0] = f"{model}: batch {batch}, {tokens} tokens"
                         _launch_mamba(dtype, heads, p, groups, n, kw, batch, tokens)
                 where[0] = f"{shapes}: router"
-                _launch_router(128 if shapes == "nano-bf16" else 16, 6 if shapes == "nano-bf16" else 2, 64)
+                nano = shapes == "nano-bf16"
+                _launch_router(128 if nano else 16, 6 if nano else 2, 64, 2688 if nano else 64, models[0][1])
             core_check.compile_jobs(launches, target, shapes, jobs)
     job_list = list(jobs.values())
     sizes = core_check.measure(job_list, workers=1, exact=exact)

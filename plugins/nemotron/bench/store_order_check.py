@@ -40,7 +40,7 @@ from armillary.kernels import tuning  # noqa: E402
 from armillary_nemotron.ops.mamba.decode import mamba_decode_step  # noqa: E402
 from armillary_nemotron.ops.mamba.ssd_scan import ssd_chunk_scan  # noqa: E402
 
-IN_PLACE = ("conv_ptr", "states_ptr")
+IN_PLACE = ("conv_ptr", "states_ptr", "contrib_ptr")  # contrib_ptr: the chunked scan's hand-over rewrites it
 # name, dtype, heads, head_dim, groups, state, conv kernel
 SHAPES = [("nano-bf16", torch.bfloat16, 64, 64, 8, 128, 4), ("tiny-fp32", torch.float32, 4, 8, 2, 16, 4),
           ("odd-fp32", torch.float32, 6, 20, 3, 24, 3)]
@@ -67,6 +67,9 @@ def _launch(dtype, heads: int, p: int, groups: int, n: int, kw: int, warps: int)
     ssd_chunk_scan(x, B, C, dt, torch.empty(heads), torch.empty(heads), torch.empty(heads), 1e-3,
                    torch.zeros(3, dtype=torch.int32), torch.empty(3, heads, p, n), torch.arange(2), heads, p,
                    config={"num_warps": warps})
+    ssd_chunk_scan(x, B, C, dt, torch.empty(heads), torch.empty(heads), torch.empty(heads), 1e-3,
+                   torch.zeros(3, dtype=torch.int32), torch.empty(3, heads, p, n), torch.arange(2), heads, p,
+                   config={"num_warps": warps, "pass_warps": warps, "chunked_min_tokens": 0})  # the chunked path
 
 
 def ttgir(job: core_check.CompileJob) -> str:

@@ -3,7 +3,7 @@ smaller than the prompts), saved as checkpoints, with their greedy generations: 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -12,6 +12,7 @@ import transformers as tf
 
 import armillary_nemotron.hooks as nemotron_hooks
 from armillary.registry import PluginRegistry
+from armillary.testing import Reference, greedy_reference, plugin_registry
 
 VOCAB = 256
 PROMPT_LENGTHS = (1, 9, 64, 100)
@@ -47,9 +48,7 @@ CASES_BY_NAME = {c.name: c for c in CASES}
 
 
 def nemotron_registry() -> PluginRegistry:
-    registry = PluginRegistry()
-    registry.register(nemotron_hooks, "nemotron")
-    return registry
+    return plugin_registry(nemotron_hooks, "nemotron")
 
 
 def build_hf_model(case: Case) -> tf.PreTrainedModel:
@@ -83,25 +82,6 @@ def prompts() -> list[list[int]]:
     return [torch.randint(1, VOCAB, (n,), generator=gen).tolist() for n in PROMPT_LENGTHS]
 
 
-@dataclass
-class Reference:
-    case: Case
-    model_dir: Path
-    prompts: list[list[int]]
-    tokens: list[list[int]] = field(default_factory=list)
-    logits: list[torch.Tensor] = field(default_factory=list)  # per prompt [NEW_TOKENS, V]
-
-
-@torch.no_grad()
 def make_reference(case: Case, model_dir: Path, new_tokens: int = NEW_TOKENS) -> Reference:
-    model = build_hf_model(case)
-    model.save_pretrained(model_dir)
-    ref = Reference(case, model_dir, prompts())
-    for prompt in ref.prompts:
-        ids = torch.tensor([prompt])
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
-                             min_new_tokens=new_tokens, do_sample=False, output_logits=True,
-                             return_dict_in_generate=True, pad_token_id=0)
-        ref.tokens.append(out.sequences[0, len(prompt):].tolist())
-        ref.logits.append(torch.cat(out.logits).float())
-    return ref
+    """The case's model saved to ``model_dir``, with its greedy continuation of each prompt."""
+    return greedy_reference(build_hf_model(case), model_dir, prompts(), new_tokens, case=case)

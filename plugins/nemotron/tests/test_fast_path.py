@@ -44,8 +44,9 @@ def _states(model_caches) -> list[torch.Tensor]:
 
 def test_decode_only_step_reads_no_host_lists(tmp_path, triton_backend):
     ref = make_reference(CASES_BY_NAME["M*-EM_groups4_router_groups"], tmp_path, new_tokens=1)
+    # no async scheduling (on by default on CUDA): the prefill step would launch the next decode itself
     llm = LLM(str(ref.model_dir), registry=nemotron_registry(), dtype="float32", device=DEVICE, max_model_len=256,
-              block_size=8, kernel_backend="triton", enforce_eager=True)
+              block_size=8, kernel_backend="triton", enforce_eager=True, async_scheduling=False)
     engine = llm.engine
     for i, prompt in enumerate(ref.prompts[:3]):
         engine.add_request(str(i), prompt, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))

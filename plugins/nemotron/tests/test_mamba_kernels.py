@@ -87,8 +87,14 @@ def test_naive_chunked_equals_transformers_torch_ssd():
     assert rel_err(pool[0], ref_state[0]) < 1e-5
 
 
+# serial: one program walks a sequence's chunks; chunked: chunk states, the state hand-over, chunk outputs
+PATHS = {"serial": {"chunked_min_tokens": 1 << 30}, "chunked": {"chunked_min_tokens": 0}}
+
+
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("heads,p,g,n", [(4, 8, 2, 16), (6, 20, 3, 24), (2, 64, 1, 128)])
-def test_triton_scan_matches_naive_varlen(heads, p, g, n):
+def test_triton_scan_matches_naive_varlen(heads, p, g, n, path):
+    """Packed sequences of 1, 70 (4 full chunks and a part), 5, 0 and 33 tokens, from and into their slots."""
     lengths = [1, 70, 5, 0, 33] if p < 64 else [1, 40]
     cu = [0]
     for ln in lengths:
@@ -100,15 +106,17 @@ def test_triton_scan_matches_naive_varlen(heads, p, g, n):
     pool_ref, pool_tri = states.clone(), states.clone()
     y_ref = ssd_chunk_scan_ref(x.reshape(total, heads, p), dt, A, B.reshape(total, g, n), C.reshape(total, g, n),
                                D, dt_bias, 1e-3, 16, cu, pool_ref, slots)
-    y = tri_scan.ssd_chunk_scan(x, B, C, dt, A, D, dt_bias, 1e-3, torch.tensor(cu, dtype=torch.int32), pool_tri,
-                                slots, heads, p, config={"CHUNK": 16, "BLOCK_P": 16})
+    y = tri_scan.ssd_chunk_scan(x, B, C, dt, torch.log(-A), D, dt_bias, 1e-3, torch.tensor(cu, dtype=torch.int32),
+                                pool_tri, slots, heads, p, config={"CHUNK": 16, "BLOCK_P": 16, "PASS_P": 8,
+                                                                   **PATHS[path]})
     assert rel_err(y.reshape(total, heads, p), y_ref) < 1e-5
     assert rel_err(pool_tri, pool_ref) < 1e-5
     untouched = [s for s in range(6) if s not in slots.tolist()]
     assert torch.equal(pool_tri[untouched], states[untouched])
 
 
-def test_triton_scan_half_precision_close():
+@pytest.mark.parametrize("path", PATHS)
+def test_triton_scan_half_precision_close(path):
     """fp16 operands, fp32 state (bf16 is checked on the GPU: the interpreter's bf16 tl.dot is not numpy-exact)."""
     heads, p, g, n = 4, 16, 2, 32
     cu = [0, 50, 51]
@@ -117,8 +125,9 @@ def test_triton_scan_half_precision_close():
     pool_ref, pool_tri = states.clone(), states.clone()
     y_ref = ssd_chunk_scan_ref(x.reshape(51, heads, p), dt, A, B.reshape(51, g, n), C.reshape(51, g, n), D,
                                dt_bias, 1e-3, 16, cu, pool_ref, torch.tensor([1, 0]))
-    y = tri_scan.ssd_chunk_scan(x, B, C, dt, A, D, dt_bias, 1e-3, torch.tensor(cu, dtype=torch.int32), pool_tri,
-                                torch.tensor([1, 0]), heads, p, config={"CHUNK": 16, "BLOCK_P": 16})
+    y = tri_scan.ssd_chunk_scan(x, B, C, dt, torch.log(-A), D, dt_bias, 1e-3, torch.tensor(cu, dtype=torch.int32),
+                                pool_tri, torch.tensor([1, 0]), heads, p,
+                                config={"CHUNK": 16, "BLOCK_P": 16, **PATHS[path]})
     assert rel_err(y.reshape(51, heads, p), y_ref) < 2e-2
     assert rel_err(pool_tri, pool_ref) < 2e-2
 
@@ -153,7 +162,8 @@ def decode_ref(a: dict, conv: torch.Tensor, pool: torch.Tensor, slots: torch.Ten
 
 def decode_tri(a: dict, conv: torch.Tensor, pool: torch.Tensor, slots: torch.Tensor, heads: int, p: int,
                config: dict | None = None) -> torch.Tensor:
-    return tri_decode.mamba_decode_step(a["xbc"], a["z"], a["dt"], a["w"], a["b"], conv, a["A"], a["D"], a["dt_bias"],
+    return tri_decode.mamba_decode_step(a["xbc"], a["z"], a["dt"], a["w"], a["b"], conv, torch.log(-a["A"]), a["D"],
+                                        a["dt_bias"],
                                         1e-3, a["norm_w"], 1e-5, pool, slots, heads, p, config=config)
 
 
@@ -229,10 +239,11 @@ def test_fused_decode_step_reads_column_views():
     A, D, dt_bias = -torch.rand(heads, generator=gen), torch.randn(heads, generator=gen), torch.zeros(heads)
     states, norm_w = torch.randn(2, heads, p, n, generator=gen), torch.ones(d_inner)
     slots = torch.tensor([1, 0])
-    views = tri_decode.mamba_decode_step(xbc, z, dt, w, None, conv.clone(), A, D, dt_bias, 0.0, norm_w, 1e-5,
+    A_log = torch.log(-A)
+    views = tri_decode.mamba_decode_step(xbc, z, dt, w, None, conv.clone(), A_log, D, dt_bias, 0.0, norm_w, 1e-5,
                                          states.clone(), slots, heads, p)
-    copies = tri_decode.mamba_decode_step(xbc.contiguous(), z.contiguous(), dt.contiguous(), w, None, conv.clone(), A,
-                                          D, dt_bias, 0.0, norm_w, 1e-5, states.clone(), slots, heads, p)
+    copies = tri_decode.mamba_decode_step(xbc.contiguous(), z.contiguous(), dt.contiguous(), w, None, conv.clone(),
+                                          A_log, D, dt_bias, 0.0, norm_w, 1e-5, states.clone(), slots, heads, p)
     assert torch.equal(views, copies)
 
 
@@ -314,12 +325,26 @@ def test_row_split_equals_group_walk_half_precision():
     assert torch.equal(conv_a, conv_b) and rel_err(pool_a, pool_b) < 1e-6
 
 
-@pytest.mark.parametrize("batch,split", [(1, 16), (2, 64), (8, 64), (9, 0), (64, 0)])
-def test_table_picks_the_split_per_batch(batch, split, monkeypatch):
-    """The sm_90 table's Nano entry (P 64, N 128): the row split at batch 1..8, the group walk beyond."""
+@pytest.mark.parametrize("batch", [1, 2, 3, 8])
+def test_table_picks_the_row_split_at_decode_batches(batch, monkeypatch):
+    """The sm_90 table's Nano entry (P 64, N 128, swept on the H200) splits the rows at batch 1..8; a
+    caller's config overrides it."""
     from armillary.kernels import tuning
 
     monkeypatch.setattr(tuning, "device_target", lambda device=None: "sm_90")
     monkeypatch.setattr(tuning, "gpu_name", lambda device=None: None)
-    assert tri_decode.decode_config(batch, 64, 128, torch.device("cpu"))["split_p"] == split
+    assert tri_decode.decode_config(batch, 64, 128, torch.device("cpu"))["split_p"] > 0
     assert tri_decode.decode_config(batch, 64, 128, torch.device("cpu"), {"split_p": 4})["split_p"] == 4
+
+
+@pytest.mark.parametrize("batch,split", [(1, 16), (2, 32), (8, 32), (9, 0), (64, 0)])
+def test_by_batch_takes_the_smallest_key_at_or_above_the_batch(batch, split, monkeypatch):
+    from armillary.kernels import tuning
+
+    table = {"mamba_decode": {"default": {"num_warps": 2}, "p64_n128": {"split_p": 0, "by_batch": {
+        "1": {"split_p": 16}, "8": {"split_p": 32}}}}}
+    monkeypatch.setattr(tuning, "device_target", lambda device=None: "sm_90")
+    monkeypatch.setattr(tuning, "gpu_name", lambda device=None: None)
+    monkeypatch.setattr(tuning, "load_table", lambda package, target: table if package == "armillary_nemotron" else {})
+    cfg = tri_decode.decode_config(batch, 64, 128, torch.device("cpu"))
+    assert cfg["split_p"] == split and cfg["num_warps"] == 2

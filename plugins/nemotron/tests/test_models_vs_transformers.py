@@ -8,13 +8,19 @@ import json
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
 
 from armillary import LLM, SamplingParams
 from armillary.cache_spec import FullAttention, Recurrent
 from armillary.errors import WeightLoadError
+from armillary.testing import (
+    LogitsRecorder,
+    greedy_params,
+    max_relative_error,
+    read_checkpoint,
+    run_staggered,
+    write_checkpoint,
+)
 from plugins.nemotron.tests.hf_models import CASES, CASES_BY_NAME, NEW_TOKENS, make_reference, nemotron_registry
-from tests.fixtures.logits_recorder import LogitsRecorder
 
 
 @pytest.fixture(scope="module", params=CASES, ids=[c.name for c in CASES])
@@ -23,7 +29,7 @@ def reference(request, tmp_path_factory):
 
 
 def greedy(n: int = NEW_TOKENS) -> SamplingParams:
-    return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+    return greedy_params(n)
 
 
 def llm_for(model_dir, **kw) -> LLM:
@@ -36,11 +42,9 @@ def test_one_at_a_time_matches_transformers(reference):
     llm = llm_for(reference.model_dir)
     rec = LogitsRecorder(llm.engine.model)
     for i, (prompt, tokens, logits) in enumerate(zip(reference.prompts, reference.tokens, reference.logits)):
-        rec.rows.clear()
         out = llm.generate({"prompt_token_ids": prompt}, greedy())[0].outputs[0]
         assert out.token_ids == tokens, f"prompt {i} ({len(prompt)} tokens): greedy continuation differs"
-        ours = torch.stack(rec.rows)
-        err = ((ours - logits).abs().max() / logits.abs().max()).item()
+        err = max_relative_error(rec.take(), logits)
         assert err < 2e-5, f"prompt {i}: relative logits error {err:.2e}"
 
 
@@ -56,19 +60,10 @@ def test_staggered_chunked_preempted_batch_matches_one_at_a_time(reference, asyn
     llm = llm_for(reference.model_dir, max_num_batched_tokens=16, block_size=8, num_kv_blocks=20, max_num_seqs=4,
                   async_scheduling=async_scheduling)
     engine = llm.engine
-    done, step = {}, 0
-    pending = list(enumerate(reference.prompts))
-    while pending or engine.has_unfinished_requests():
-        if pending and step % 3 == 0:  # a new request every third step
-            i, prompt = pending.pop(0)
-            engine.add_request(f"r{i}", prompt, greedy())
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out.outputs[0].token_ids
-        step += 1
+    done = run_staggered(engine, reference.prompts, greedy(), every=3)  # a new request every third step
     assert engine.scheduler.num_preemptions > 0
     assert (engine.num_async_steps > 0) == async_scheduling
-    assert [done[f"r{i}"] for i in range(len(reference.prompts))] == reference.tokens
+    assert done == reference.tokens
     stats = engine.stats()
     assert stats["kv_blocks_used"] == 0 and stats["state_slots_used"] == 0
 
@@ -101,18 +96,14 @@ def test_cache_layout_per_layer(tmp_path):
 
 def test_unknown_and_missing_tensors_are_errors(tmp_path):
     ref = make_reference(CASES_BY_NAME["*MEM-_groups1_tied"], tmp_path / "src", new_tokens=1)
-    tensors = load_file(str(ref.model_dir / "model.safetensors"))
+    tensors = read_checkpoint(ref.model_dir)
     config = json.loads((ref.model_dir / "config.json").read_text())
     extra = tmp_path / "extra"
-    extra.mkdir()
-    (extra / "config.json").write_text(json.dumps(config))
-    save_file({**tensors, "backbone.layers.1.mixer.mystery.weight": torch.zeros(2)}, str(extra / "model.safetensors"))
+    write_checkpoint(extra, {**tensors, "backbone.layers.1.mixer.mystery.weight": torch.zeros(2)}, config)
     with pytest.raises(WeightLoadError, match=r"backbone\.layers\.1\.mixer\.mystery\.weight"):
         llm_for(extra)
     missing = tmp_path / "missing"
-    missing.mkdir()
-    (missing / "config.json").write_text(json.dumps(config))
-    save_file({k: v for k, v in tensors.items() if not k.endswith("layers.1.mixer.D")}, str(missing / "model.safetensors"))
+    write_checkpoint(missing, {k: v for k, v in tensors.items() if not k.endswith("layers.1.mixer.D")}, config)
     with pytest.raises(Exception, match=r"mixer\.D"):
         llm_for(missing)
 
@@ -120,11 +111,9 @@ def test_unknown_and_missing_tensors_are_errors(tmp_path):
 def test_model_prefix_names_load_like_backbone(tmp_path):
     """Checkpoints written with ``model.*`` names (transformers' module names) load the same."""
     ref = make_reference(CASES_BY_NAME["ME*ME_groups2_chunk8"], tmp_path / "src", new_tokens=4)
-    tensors = load_file(str(ref.model_dir / "model.safetensors"))
+    tensors = read_checkpoint(ref.model_dir)
     renamed = tmp_path / "renamed"
-    renamed.mkdir()
-    (renamed / "config.json").write_text((ref.model_dir / "config.json").read_text())
-    save_file({("model." + k[len("backbone."):] if k.startswith("backbone.") else k): v for k, v in tensors.items()},
-              str(renamed / "model.safetensors"))
+    write_checkpoint(renamed, {("model." + k[len("backbone."):] if k.startswith("backbone.") else k): v
+                               for k, v in tensors.items()}, source=ref.model_dir)
     out = llm_for(renamed).generate({"prompt_token_ids": ref.prompts[2]}, greedy(4))[0].outputs[0]
     assert out.token_ids == ref.tokens[2]

@@ -2,14 +2,14 @@
 greedy generations: the reference the armillary models are held to."""
 from __future__ import annotations
 
-import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 import transformers as tf
-from safetensors.torch import load_file, save_file
+
+from armillary.testing import Reference, greedy_reference, read_checkpoint, write_checkpoint  # noqa: F401 - re-exported for this plugin's tests
 
 L, F = "linear_attention", "full_attention"
 VOCAB = 300
@@ -106,42 +106,6 @@ def prompts() -> list[list[int]]:
     return [torch.randint(0, VOCAB, (n,), generator=gen).tolist() for n in PROMPT_LENGTHS]
 
 
-@dataclass
-class Reference:
-    """transformers' greedy continuation of each prompt and the logits behind every new token."""
-
-    case: Case
-    model_dir: Path
-    prompts: list[list[int]]
-    tokens: list[list[int]] = field(default_factory=list)
-    logits: list[torch.Tensor] = field(default_factory=list)  # per prompt [NEW_TOKENS, V]
-
-
-@torch.no_grad()
 def make_reference(case: Case, model_dir: Path) -> Reference:
-    model = build_hf_model(case)
-    model.save_pretrained(model_dir)
-    ref = Reference(case, model_dir, prompts())
-    for prompt in ref.prompts:
-        ids = torch.tensor([prompt])
-        out = model.generate(
-            ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
-            do_sample=False, output_logits=True, return_dict_in_generate=True, pad_token_id=0,
-        )
-        ref.tokens.append(out.sequences[0, len(prompt):].tolist())
-        ref.logits.append(torch.cat(out.logits).float())
-    return ref
-
-
-def read_checkpoint(model_dir: Path) -> dict[str, torch.Tensor]:
-    return load_file(str(Path(model_dir) / "model.safetensors"))
-
-
-def write_checkpoint(model_dir: Path, tensors: dict[str, torch.Tensor], config: dict[str, Any] | None = None,
-                     source: Path | None = None) -> None:
-    """Write ``tensors`` (and ``config`` or ``source``'s config.json) as a one-shard checkpoint."""
-    model_dir.mkdir(parents=True, exist_ok=True)
-    if config is None:
-        config = json.loads((Path(source) / "config.json").read_text())
-    (model_dir / "config.json").write_text(json.dumps(config))
-    save_file({k: v.contiguous() for k, v in tensors.items()}, str(model_dir / "model.safetensors"))
+    """The case's model saved to ``model_dir``, with its greedy continuation of each prompt."""
+    return greedy_reference(build_hf_model(case), model_dir, prompts(), NEW_TOKENS, case=case)

@@ -13,6 +13,13 @@ import torch
 
 from armillary.cache_spec import FullAttention, Recurrent
 from armillary.errors import WeightLoadError
+from armillary.testing import (
+    assert_batched_greedy,
+    assert_logits_close as _assert_close,
+    assert_stepwise_greedy,
+    lazy_references,
+    swap_expert_layout,
+)
 from armillary_qwen_gdn_moe.weights import QwenWeightLoader
 from plugins.qwen_gdn_moe.tests.harness import Harness, build_model
 from plugins.qwen_gdn_moe.tests.hf_models import (
@@ -21,7 +28,6 @@ from plugins.qwen_gdn_moe.tests.hf_models import (
     NEW_TOKENS,
     Case,
     F,
-    Reference,
     make_reference,
     read_checkpoint,
     write_checkpoint,
@@ -37,50 +43,25 @@ def ids(cases: list[Case]) -> list[str]:
 
 @pytest.fixture(scope="module")
 def references(tmp_path_factory):
-    built: dict[str, Reference] = {}
-
-    def get(case: Case) -> Reference:
-        if case.name not in built:
-            built[case.name] = make_reference(case, tmp_path_factory.mktemp(case.name))
-        return built[case.name]
-
-    return get
+    return lazy_references(make_reference, tmp_path_factory)
 
 
 def assert_logits_close(got: torch.Tensor, ref: torch.Tensor, what: str) -> None:
-    err = (got - ref).abs().max().item()
-    scale = ref.abs().max().item()
-    assert err <= 5e-5 * max(scale, 1.0), f"{what}: max |diff| {err:.3g} against max |logit| {scale:.3g}"
+    _assert_close(got, ref, what, tol=5e-5)
 
 
 @pytest.mark.parametrize("case", CASES, ids=ids(CASES))
 def test_greedy_decode_matches_generate(case, references):
     """Each prompt alone: prompt logits, every decode step's logits and all 32 greedy tokens."""
     ref = references(case)
-    harness = Harness(ref.model_dir)
-    for seq, prompt in enumerate(ref.prompts):
-        logits = harness.step([(seq, prompt)])[0]
-        tokens = []
-        for step in range(NEW_TOKENS):
-            assert_logits_close(logits, ref.logits[seq][step], f"prompt {seq} ({len(prompt)} tokens) step {step}")
-            tokens.append(int(logits.argmax()))
-            logits = harness.step([(seq, tokens[-1:])])[0]
-        assert tokens == ref.tokens[seq], f"prompt {seq}: greedy continuation differs"
+    assert_stepwise_greedy(Harness(ref.model_dir), ref, NEW_TOKENS, assert_logits_close)
 
 
 @pytest.mark.parametrize("case", CASES, ids=ids(CASES))
 def test_batched_prefill_then_batched_decode(case, references):
     """All four prompts prefilled in one batch, then decoded together."""
     ref = references(case)
-    harness = Harness(ref.model_dir)
-    logits = harness.step(list(enumerate(ref.prompts)))
-    tokens: list[list[int]] = [[] for _ in ref.prompts]
-    for step in range(NEW_TOKENS):
-        for seq in range(len(ref.prompts)):
-            assert_logits_close(logits[seq], ref.logits[seq][step], f"prompt {seq} step {step}")
-            tokens[seq].append(int(logits[seq].argmax()))
-        logits = harness.step([(seq, t[-1:]) for seq, t in enumerate(tokens)])
-    assert tokens == ref.tokens
+    assert_batched_greedy(Harness(ref.model_dir), ref, NEW_TOKENS, assert_logits_close)
 
 
 @pytest.mark.parametrize("case", CASES, ids=ids(CASES))
@@ -108,39 +89,13 @@ def test_chunked_prefill_mixed_with_decodes(case, references):
             assert_logits_close(logits[row], ref.logits[s][fed[s]], f"prompt {s} decode {fed[s]}")
 
 
-def _other_expert_layout(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Per-expert ``experts.E.{gate,up,down}_proj.weight`` <-> fused ``experts.gate_up_proj`` / ``down_proj``."""
-    per_expert = re.compile(r"^(.+\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$")
-    out: dict[str, torch.Tensor] = {}
-    grouped: dict[str, dict[tuple[int, str], torch.Tensor]] = {}
-    for name, t in tensors.items():
-        if m := per_expert.match(name):
-            grouped.setdefault(m[1], {})[(int(m[2]), m[3])] = t
-        elif name.endswith(".experts.gate_up_proj"):
-            prefix = name[: -len(".gate_up_proj")]
-            for e, w in enumerate(t):
-                gate, up = w.chunk(2, dim=0)
-                out[f"{prefix}.{e}.gate_proj.weight"], out[f"{prefix}.{e}.up_proj.weight"] = gate, up
-        elif name.endswith(".experts.down_proj"):
-            prefix = name[: -len(".down_proj")]
-            for e, w in enumerate(t):
-                out[f"{prefix}.{e}.down_proj.weight"] = w
-        else:
-            out[name] = t
-    for prefix, parts in grouped.items():
-        n = 1 + max(e for e, _ in parts)
-        out[f"{prefix}.gate_up_proj"] = torch.stack([torch.cat((parts[e, "gate"], parts[e, "up"])) for e in range(n)])
-        out[f"{prefix}.down_proj"] = torch.stack([parts[e, "down"] for e in range(n)])
-    return out
-
-
 @pytest.mark.parametrize("case", MOE_CASES, ids=ids(MOE_CASES))
 def test_both_expert_layouts_load_identically(case, references, tmp_path):
     ref = references(case)
     saved = read_checkpoint(ref.model_dir)
     # transformers 5.x save_pretrained reverts its fused experts to the per-expert checkpoint names
     assert any(re.search(r"\.experts\.0\.gate_proj\.weight$", n) for n in saved)
-    fused = _other_expert_layout(saved)
+    fused = swap_expert_layout(saved)
     assert any(n.endswith(".experts.gate_up_proj") for n in fused)
     write_checkpoint(tmp_path, fused, source=ref.model_dir)
     per_expert_model, _ = build_model(ref.model_dir)

@@ -10,14 +10,16 @@ import torch
 import triton
 import triton.language as tl
 
+from armillary.kernels.triton.pdl import launch_options, pdl_prologue
 from armillary.kernels.tuning import kernel_config
 
 DEFAULTS = {"any": {"BLOCK": 1024, "num_warps": 4}}
 
 
 @triton.jit
-def _gelu_tanh_and_mul_kernel(x_ptr, out_ptr, inter, stride_x, stride_o, BLOCK: tl.constexpr):
+def _gelu_tanh_and_mul_kernel(x_ptr, out_ptr, inter, stride_x, stride_o, BLOCK: tl.constexpr, PDL: tl.constexpr):
     """Grid (rows, cdiv(I, BLOCK)): out[r, c] = gelu_tanh(x[r, c]) · x[r, I + c]."""
+    pdl_prologue(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = cols < inter
@@ -40,5 +42,6 @@ def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
     cfg = kernel_config("armillary_gemma", "gelu_tanh_and_mul", "any", DEFAULTS["any"], x.device)
     block = min(cfg["BLOCK"], triton.next_power_of_2(inter))
     _gelu_tanh_and_mul_kernel[(rows, triton.cdiv(inter, block))](x, out, inter, x.stride(0), out.stride(0),
-                                                                 BLOCK=block, num_warps=cfg["num_warps"])
+                                                                 BLOCK=block, num_warps=cfg["num_warps"],
+                                                                 **launch_options(x.device))
     return out

@@ -13,11 +13,13 @@ import triton
 import triton.language as tl
 
 from armillary.kernels import ops
+from armillary.kernels.triton.pdl import launch_options, pdl_prologue
 
 
 @triton.jit
 def _norm_add_norm_kernel(h_ptr, r_ptr, w1_ptr, w2_ptr, out_ptr, r_out_ptr, dim, stride_h, stride_r, eps,
-                          ZERO_CENTERED: tl.constexpr, BLOCK: tl.constexpr):
+                          ZERO_CENTERED: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    pdl_prologue(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     ok = cols < dim
@@ -46,7 +48,8 @@ def norm_add_norm_triton(h: torch.Tensor, residual: torch.Tensor, w1: torch.Tens
     if rows:
         block = triton.next_power_of_2(dim)
         _norm_add_norm_kernel[(rows,)](h, residual, w1, w2, out, r_out, dim, h.stride(0), residual.stride(0), eps,
-                                       ZERO_CENTERED=zero_centered, BLOCK=block, num_warps=8 if block >= 4096 else 4)
+                                       ZERO_CENTERED=zero_centered, BLOCK=block, num_warps=8 if block >= 4096 else 4,
+                                       **launch_options(h.device))
     return out, r_out
 
 

@@ -1,1 +1,1 @@
-"""The glm_flash plugin's own kernels: paged multi-head latent attention (MLA)."""
+"""The glm_flash plugin's own kernels: paged multi-head latent attention (MLA) and the router's float32 logits."""

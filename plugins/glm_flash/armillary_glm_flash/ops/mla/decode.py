@@ -5,11 +5,14 @@ range of a sequence's keys: each ``[BLOCK_N, Dl + Dr]`` tile of latents is loade
 them and used twice, in ``q_lat · latentᵀ + q_pe · k_peᵀ`` and in ``p · latent``. Long contexts
 are cut into ``num_splits`` key ranges (flash-decoding); a second launch combines their partial
 results by their log-sum-exps. The split count is fixed per launch from host ints only (batch
-size, ``max_seq_len``) and each program derives its range from the device ``seq_lens``, so a
-CUDA graph captured once serves every length (no host sync, no ``*_cpu`` field).
+size, ``max_seq_len``) and each program derives its range from the device ``seq_lens`` (at least
+``split_live_min_tokens`` keys a split, one tile unless a table says more; the splits left without keys
+are neither written nor read), so a CUDA graph captured once serves
+every length (no host sync, no ``*_cpu`` field).
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from functools import lru_cache
 
 import torch
@@ -21,22 +24,36 @@ from armillary.kernels.tuning import kernel_config
 LOG2E = 1.4426950408889634
 MAX_SPLITS = 64
 PACKAGE = "armillary_glm_flash"
+# split_live_min_tokens: the least keys a split of one sequence takes on the device (one tile by default: the H200
+# timed B=1 / 1K context at 21.6 us with 128, against 11.2 us with a tile, so few-key sequences keep every split)
 DEFAULTS = {"BLOCK_H": 32, "BLOCK_N": 32, "num_warps": 8, "num_stages": 2, "split_min_tokens": 128,
-            "target_waves": 2}
+            "split_live_min_tokens": 0, "target_waves": 2}
+
+
+@triton.jit
+def split_tiles(seq_len, num_splits, min_tiles, block_n):
+    """Key tiles per split of a sequence of ``seq_len`` keys (at least ``min_tiles``, itself >= 1)."""
+    return tl.maximum(tl.cdiv(tl.cdiv(seq_len, block_n), num_splits), min_tiles)
+
+
+@triton.jit
+def live_splits(seq_len, num_splits, min_tiles, block_n):
+    """How many of a sequence's splits hold keys (the first ones; 0 for an empty sequence)."""
+    return tl.cdiv(seq_len, split_tiles(seq_len, num_splits, min_tiles, block_n) * block_n)
 
 
 @triton.jit
 def _mla_decode_split_kernel(
     q_lat_ptr, q_pe_ptr, kv_ptr, block_tables_ptr, seq_lens_ptr, part_out_ptr, part_lse_ptr, out_ptr,
     stride_qlb, stride_qlh, stride_qpb, stride_qph, stride_kvb, stride_kvs, stride_bt, stride_ob, stride_oh,
-    num_heads, num_splits, scale_log2,
+    num_heads, num_splits, min_tiles, scale_log2,
     DL: tl.constexpr, DR: tl.constexpr, BLOCK_DL: tl.constexpr, BLOCK_DR: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr, SPLIT: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     """Grid (B, head blocks, splits). Without SPLIT the normalised output goes to ``out`` [B, H, Dl];
-    with it, per split, the normalised partial to ``part_out`` [B, H, S, Dl] (float32) and its
-    log2-sum-exp to ``part_lse`` [B, H, S]."""
+    with it, per split holding keys (``live_splits``), the normalised partial to ``part_out`` [B, H, S, Dl]
+    (float32) and its log2-sum-exp to ``part_lse`` [B, H, S]; the other splits' rows stay unwritten."""
     b = tl.program_id(0)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     split = tl.program_id(2)
@@ -46,7 +63,7 @@ def _mla_decode_split_kernel(
     dl_ok = dl < DL
     dr_ok = dr < DR
     seq_len = tl.load(seq_lens_ptr + b)
-    tiles = tl.cdiv(tl.cdiv(seq_len, BLOCK_N), num_splits)  # key tiles per split, from this sequence's length
+    tiles = split_tiles(seq_len, num_splits, min_tiles, BLOCK_N)  # from this sequence's length
     lo = split * tiles * BLOCK_N
     hi = tl.minimum(lo + tiles * BLOCK_N, seq_len)
 
@@ -77,24 +94,26 @@ def _mla_decode_split_kernel(
     acc = acc / l_safe[:, None]
     mask = h_ok[:, None] & dl_ok[None, :]
     if SPLIT:
-        row = (b * num_heads + heads) * num_splits + split  # [BLOCK_H] rows of [B, H, S]
-        tl.store(part_out_ptr + row[:, None] * DL + dl[None, :], acc, mask=mask)
-        lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(l_safe))
-        tl.store(part_lse_ptr + row, lse, mask=h_ok)
+        if lo < seq_len:  # a split without keys writes nothing: the combining launches skip it
+            row = (b * num_heads + heads) * num_splits + split  # [BLOCK_H] rows of [B, H, S]
+            tl.store(part_out_ptr + row[:, None] * DL + dl[None, :], acc, mask=mask)
+            lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(l_safe))
+            tl.store(part_lse_ptr + row, lse, mask=h_ok)
     else:
         tl.store(out_ptr + b * stride_ob + heads[:, None] * stride_oh + dl[None, :],
                  acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
-def _mla_combine_kernel(part_out_ptr, part_lse_ptr, out_ptr, num_heads, num_splits, stride_ob, stride_oh,
+def _mla_combine_kernel(part_out_ptr, part_lse_ptr, seq_lens_ptr, out_ptr, num_heads, num_splits, min_tiles,
+                        block_n, stride_ob, stride_oh,
                         DL: tl.constexpr, BLOCK_DL: tl.constexpr, BLOCK_S: tl.constexpr):
-    """Grid (B, H): out = Σ_s 2^(lse_s − M) · out_s / Σ_s 2^(lse_s − M)."""
+    """Grid (B, H): out = Σ_s 2^(lse_s − M) · out_s / Σ_s 2^(lse_s − M) over the splits holding keys."""
     b = tl.program_id(0)
     h = tl.program_id(1)
     s = tl.arange(0, BLOCK_S)
     dl = tl.arange(0, BLOCK_DL)
-    s_ok = s < num_splits
+    s_ok = s < live_splits(tl.load(seq_lens_ptr + b), num_splits, min_tiles, block_n)
     base = (b * num_heads + h) * num_splits
     lse = tl.load(part_lse_ptr + base + s, mask=s_ok, other=float("-inf"))
     top = tl.max(lse, 0)
@@ -133,13 +152,25 @@ def num_splits_for(batch: int, head_blocks: int, max_seq_len: int, cfg: dict, de
     return max(1, min(triton.cdiv(target, programs), by_work, MAX_SPLITS))
 
 
-def mla_decode(q_lat: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tensor, block_tables: torch.Tensor,
-               seq_lens: torch.Tensor, scale: float, max_seq_len: int, config: dict | None = None,
-               num_splits: int | None = None) -> torch.Tensor:
-    """Absorbed paged MLA decode. q_lat [B, H, Dl], q_pe [B, H, Dr] (unit last stride), kv
-    [NB, BS, Dl + Dr] (contiguous rows), block_tables [B, max_blocks] int32, seq_lens [B] int32;
-    ``max_seq_len``: a host bound on seq_lens (a CUDA graph passes its bucket's limit). Returns
-    the attention-weighted latents [B, H, Dl] in q_lat's dtype, as ``naive.mla_decode_ref``."""
+@dataclass(slots=True)
+class Partials:
+    """``decode_partials``' result: ``out`` [B, H, Dl] (written only with one split), else per split
+    ``part_out`` [B, H, S, Dl] / ``part_lse`` [B, H, S] float32, written for the splits holding keys
+    (``live_splits`` of ``seq_lens`` with this launch's ``block_n`` and ``min_tiles``)."""
+
+    out: torch.Tensor
+    part_out: torch.Tensor
+    part_lse: torch.Tensor
+    splits: int
+    block_n: int
+    min_tiles: int
+
+
+def decode_partials(q_lat: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tensor, block_tables: torch.Tensor,
+                    seq_lens: torch.Tensor, scale: float, max_seq_len: int, config: dict | None = None,
+                    num_splits: int | None = None) -> Partials:
+    """The split launch of ``mla_decode`` (arguments as there); with one split the partial buffers are
+    ``out`` itself (unused), with more ``out`` is left for a combining launch."""
     batch, heads, dl = q_lat.shape
     dr = q_pe.shape[2]
     if kv.shape[2] != dl + dr or kv.stride(2) != 1 or q_lat.stride(2) != 1 or q_pe.stride(2) != 1:
@@ -147,9 +178,10 @@ def mla_decode(q_lat: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tensor, block_
     if block_tables.dtype != torch.int32:
         raise ValueError("mla_decode: block_tables must be int32")
     out = q_lat.new_empty(batch, heads, dl)
-    if batch == 0:
-        return out
     cfg = dict(decode_config(heads, dl, dr, q_lat.device) if config is None else config)
+    min_tiles = max(1, triton.cdiv(cfg.get("split_live_min_tokens", 0), cfg["BLOCK_N"]))
+    if batch == 0:
+        return Partials(out, out, out, 1, cfg["BLOCK_N"], min_tiles)
     block_h = max(16, min(cfg["BLOCK_H"], triton.next_power_of_2(heads)))  # tl.dot needs 16 rows
     head_blocks = triton.cdiv(heads, block_h)
     splits = num_splits or num_splits_for(batch, head_blocks, max_seq_len, cfg, q_lat.device)
@@ -161,14 +193,27 @@ def mla_decode(q_lat: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tensor, block_
     _mla_decode_split_kernel[(batch, head_blocks, splits)](
         q_lat, q_pe, kv, block_tables, seq_lens, part_out, part_lse, out,
         q_lat.stride(0), q_lat.stride(1), q_pe.stride(0), q_pe.stride(1), kv.stride(0), kv.stride(1),
-        block_tables.stride(0), out.stride(0), out.stride(1), heads, splits, scale * LOG2E,
+        block_tables.stride(0), out.stride(0), out.stride(1), heads, splits, min_tiles, scale * LOG2E,
         DL=dl, DR=dr, BLOCK_DL=triton.next_power_of_2(dl), BLOCK_DR=max(16, triton.next_power_of_2(dr)),
         BLOCK_H=block_h, BLOCK_N=cfg["BLOCK_N"], PAGE=kv.shape[1], SPLIT=splits > 1, DOT_PRECISION=precision,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
-    if splits > 1:
+    return Partials(out, part_out, part_lse, splits, cfg["BLOCK_N"], min_tiles)
+
+
+def mla_decode(q_lat: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tensor, block_tables: torch.Tensor,
+               seq_lens: torch.Tensor, scale: float, max_seq_len: int, config: dict | None = None,
+               num_splits: int | None = None) -> torch.Tensor:
+    """Absorbed paged MLA decode. q_lat [B, H, Dl], q_pe [B, H, Dr] (unit last stride), kv
+    [NB, BS, Dl + Dr] (contiguous rows), block_tables [B, max_blocks] int32, seq_lens [B] int32;
+    ``max_seq_len``: a host bound on seq_lens (a CUDA graph passes its bucket's limit). Returns
+    the attention-weighted latents [B, H, Dl] in q_lat's dtype, as ``naive.mla_decode_ref``."""
+    p = decode_partials(q_lat, q_pe, kv, block_tables, seq_lens, scale, max_seq_len, config, num_splits)
+    batch, heads, dl = p.out.shape
+    if p.splits > 1 and batch > 0:
         _mla_combine_kernel[(batch, heads)](
-            part_out, part_lse, out, heads, splits, out.stride(0), out.stride(1),
-            DL=dl, BLOCK_DL=triton.next_power_of_2(dl), BLOCK_S=max(16, triton.next_power_of_2(splits)), num_warps=4,
+            p.part_out, p.part_lse, seq_lens, p.out, heads, p.splits, p.min_tiles, p.block_n, p.out.stride(0),
+            p.out.stride(1), DL=dl, BLOCK_DL=triton.next_power_of_2(dl),
+            BLOCK_S=max(16, triton.next_power_of_2(p.splits)), num_warps=4,
         )
-    return out
+    return p.out

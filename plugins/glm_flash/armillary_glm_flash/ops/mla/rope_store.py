@@ -14,14 +14,14 @@ import triton.language as tl
 
 
 @triton.jit
-def _mla_rope_store_kernel(
-    q_ptr, ckv_ptr, weight_ptr, cos_ptr, sin_ptr, slots_ptr, kv_ptr,
+def rope_store_token(
+    t, q_ptr, ckv_ptr, weight_ptr, cos_ptr, sin_ptr, slots_ptr, kv_ptr,
     stride_qt, stride_qh, stride_ct, stride_cs, stride_kv, num_heads, eps,
     NOPE: tl.constexpr, DL: tl.constexpr, DR: tl.constexpr, BLOCK_DL: tl.constexpr, BLOCK_HALF: tl.constexpr,
     BLOCK_H: tl.constexpr, INTERLEAVED: tl.constexpr,
 ):
-    """Grid (T,). q [T, H, NOPE + DR] rotated in place on its last DR dims; ckv [T, DL + DR] read."""
-    t = tl.program_id(0)
+    """Token ``t``'s share: q [T, H, NOPE + DR] rotated in place on its last DR dims; ckv [T, DL + DR] read
+    (also called by ``absorb``'s fused launch)."""
     half = DR // 2
     j = tl.arange(0, BLOCK_HALF)
     j_ok = j < half
@@ -59,11 +59,23 @@ def _mla_rope_store_kernel(
     tl.store(base + second[None, :], (b * cos[None, :] + a * sin[None, :]).to(q1.dtype), mask=mask)
 
 
-def mla_rope_store(q: torch.Tensor, ckv: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tensor,
-                   sin: torch.Tensor, kv: torch.Tensor, slot_mapping: torch.Tensor, interleaved: bool) -> None:
-    """q [T, H, nope + Dr] (rotated in place), ckv [T, Dl + Dr] (``kv_a_proj_with_mqa``'s output), weight [Dl],
-    cos / sin [T, Dr / 2] float32, kv [NB, BS, Dl + Dr], slot_mapping [T]. Unit last strides throughout."""
-    num_tokens, heads, width = q.shape
+@triton.jit
+def _mla_rope_store_kernel(
+    q_ptr, ckv_ptr, weight_ptr, cos_ptr, sin_ptr, slots_ptr, kv_ptr,
+    stride_qt, stride_qh, stride_ct, stride_cs, stride_kv, num_heads, eps,
+    NOPE: tl.constexpr, DL: tl.constexpr, DR: tl.constexpr, BLOCK_DL: tl.constexpr, BLOCK_HALF: tl.constexpr,
+    BLOCK_H: tl.constexpr, INTERLEAVED: tl.constexpr,
+):
+    """Grid (T,): one token each."""
+    rope_store_token(tl.program_id(0), q_ptr, ckv_ptr, weight_ptr, cos_ptr, sin_ptr, slots_ptr, kv_ptr,
+                     stride_qt, stride_qh, stride_ct, stride_cs, stride_kv, num_heads, eps,
+                     NOPE, DL, DR, BLOCK_DL, BLOCK_HALF, BLOCK_H, INTERLEAVED)
+
+
+def check_rope_store(q: torch.Tensor, ckv: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor,
+                     sin: torch.Tensor, kv: torch.Tensor) -> tuple[int, int]:
+    """(latent width, rope width) after the layout checks every rope-store launch needs."""
+    width = q.shape[2]
     dr = 2 * cos.shape[-1]
     dl = ckv.shape[1] - dr
     if kv.shape[2] != dl + dr or weight.shape[0] != dl or width < dr:
@@ -73,11 +85,23 @@ def mla_rope_store(q: torch.Tensor, ckv: torch.Tensor, weight: torch.Tensor, eps
         raise ValueError("mla_rope_store: q, ckv, cos and sin need unit last strides (cos and sin alike)")
     if kv.stride(2) != 1 or kv.stride(0) != kv.shape[1] * kv.stride(1):
         raise ValueError("mla_rope_store: the cache's blocks must be contiguous rows (flat slot addressing)")
-    if num_tokens == 0:
+    return dl, dr
+
+
+def rope_store_meta(q: torch.Tensor, dl: int, dr: int) -> dict:
+    """The rope-store constexprs of a launch."""
+    return dict(NOPE=q.shape[2] - dr, DL=dl, DR=dr, BLOCK_DL=triton.next_power_of_2(dl),
+                BLOCK_HALF=max(1, triton.next_power_of_2(dr // 2)), BLOCK_H=triton.next_power_of_2(q.shape[1]))
+
+
+def mla_rope_store(q: torch.Tensor, ckv: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tensor,
+                   sin: torch.Tensor, kv: torch.Tensor, slot_mapping: torch.Tensor, interleaved: bool) -> None:
+    """q [T, H, nope + Dr] (rotated in place), ckv [T, Dl + Dr] (``kv_a_proj_with_mqa``'s output), weight [Dl],
+    cos / sin [T, Dr / 2] float32, kv [NB, BS, Dl + Dr], slot_mapping [T]. Unit last strides throughout."""
+    dl, dr = check_rope_store(q, ckv, weight, cos, sin, kv)
+    if q.shape[0] == 0:
         return
-    _mla_rope_store_kernel[(num_tokens,)](
+    _mla_rope_store_kernel[(q.shape[0],)](
         q, ckv, weight, cos, sin, slot_mapping, kv, q.stride(0), q.stride(1), ckv.stride(0), cos.stride(0),
-        kv.stride(1), heads, float(eps), NOPE=width - dr, DL=dl, DR=dr, BLOCK_DL=triton.next_power_of_2(dl),
-        BLOCK_HALF=max(1, triton.next_power_of_2(dr // 2)), BLOCK_H=triton.next_power_of_2(heads),
-        INTERLEAVED=interleaved, num_warps=4,
+        kv.stride(1), q.shape[1], float(eps), INTERLEAVED=interleaved, num_warps=4, **rope_store_meta(q, dl, dr),
     )

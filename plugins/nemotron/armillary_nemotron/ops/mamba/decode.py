@@ -72,7 +72,7 @@ def _window_write(window, ch, mask, new, KW: tl.constexpr, KW_P2: tl.constexpr):
 
 @triton.jit
 def _mamba_decode_kernel(
-    xbc_ptr, z_ptr, dt_ptr, w_ptr, bias_ptr, conv_ptr, a_ptr, d_ptr, dt_bias_ptr, norm_w_ptr, states_ptr, slots_ptr,
+    xbc_ptr, z_ptr, dt_ptr, w_ptr, bias_ptr, conv_ptr, a_log_ptr, d_ptr, dt_bias_ptr, norm_w_ptr, states_ptr, slots_ptr,
     out_ptr, stride_xbc, stride_z, stride_dt, stride_w, stride_conv, stride_state, stride_out, dt_min, eps,
     GROUPS: tl.constexpr, HPG: tl.constexpr, P: tl.constexpr, N: tl.constexpr, KW: tl.constexpr,
     KW_P2: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_P: tl.constexpr,
@@ -113,7 +113,7 @@ def _mamba_decode_kernel(
                                          HAS_BIAS)
         raw = tl.load(dt_ptr + seq * stride_dt + head).to(tl.float32) + tl.load(dt_bias_ptr + head).to(tl.float32)
         dt = tl.maximum(tl.where(raw > 20.0, raw, tl.log(1.0 + tl.exp(raw))), dt_min)
-        decay = tl.exp(dt * tl.load(a_ptr + head).to(tl.float32))
+        decay = tl.exp(-dt * tl.exp(tl.load(a_log_ptr + head).to(tl.float32)))  # A = -exp(A_log)
         state = state * decay + (dt * x)[:, None] * bv[None, :]  # [BP, BN]
         y = tl.sum(state * cv[None, :], axis=1) + tl.load(d_ptr + head).to(tl.float32) * x  # [BP]
         y_all = tl.where((hs == h)[:, None], y[None, :], y_all)
@@ -136,7 +136,7 @@ def _mamba_decode_kernel(
 
 @triton.jit
 def _mamba_decode_split_kernel(
-    xbc_ptr, z_ptr, dt_ptr, w_ptr, bias_ptr, conv_ptr, a_ptr, d_ptr, dt_bias_ptr, norm_w_ptr, states_ptr, slots_ptr,
+    xbc_ptr, z_ptr, dt_ptr, w_ptr, bias_ptr, conv_ptr, a_log_ptr, d_ptr, dt_bias_ptr, norm_w_ptr, states_ptr, slots_ptr,
     out_ptr, tickets_ptr, rows_ptr, partials_ptr, stride_xbc, stride_z, stride_dt, stride_w, stride_conv,
     stride_state, stride_out, dt_min, eps,
     GROUPS: tl.constexpr, HPG: tl.constexpr, P: tl.constexpr, N: tl.constexpr, KW: tl.constexpr,
@@ -172,7 +172,7 @@ def _mamba_decode_split_kernel(
     z = tl.load(z_ptr + seq * stride_z + x_ch, mask=m_p, other=0.0).to(tl.float32)
     raw = tl.load(dt_ptr + seq * stride_dt + head).to(tl.float32) + tl.load(dt_bias_ptr + head).to(tl.float32)
     dt = tl.maximum(tl.where(raw > 20.0, raw, tl.log(1.0 + tl.exp(raw))), dt_min)
-    decay = tl.exp(dt * tl.load(a_ptr + head).to(tl.float32))
+    decay = tl.exp(-dt * tl.exp(tl.load(a_log_ptr + head).to(tl.float32)))  # A = -exp(A_log)
 
     state = s.to(tl.float32) * decay + (dt * x)[:, None] * bv[None, :]  # [BP, BN]
     y = tl.sum(state * cv[None, :], axis=1) + tl.load(d_ptr + head).to(tl.float32) * x  # [BP]
@@ -228,16 +228,17 @@ def decode_config(batch: int, head_dim: int, n_state: int, device: torch.device,
 
 
 def mamba_decode_step(xbc: torch.Tensor, z: torch.Tensor, dt: torch.Tensor, conv_weight: torch.Tensor,
-                      conv_bias: torch.Tensor | None, conv_states: torch.Tensor, A: torch.Tensor, D: torch.Tensor,
+                      conv_bias: torch.Tensor | None, conv_states: torch.Tensor, A_log: torch.Tensor, D: torch.Tensor,
                       dt_bias: torch.Tensor, dt_min: float, norm_weight: torch.Tensor, eps: float,
                       ssm_states: torch.Tensor, state_slots: torch.Tensor, heads: int, head_dim: int,
                       config: dict | None = None) -> torch.Tensor:
     """One new token per sequence. xbc [B, conv_dim] (x ‖ B ‖ C before the conv), z [B, H·P], dt [B, H]
     raw: column views of in_proj's output are fine (unit last stride). conv_weight [conv_dim, K],
     conv_states [slots, conv_dim, K-1] and ssm_states [slots, H, P, N] (each slot contiguous) are
-    updated at ``state_slots``; A [H] fp32 (= -exp(A_log)). Returns norm(y · silu(z)) · w [B, H·P]
-    in xbc's dtype, normalised per group of H / G heads. A slot may appear twice only when it is
-    scratch (CUDA-graph padding rows): its content then ends unspecified; every live slot once."""
+    updated at ``state_slots``; A_log [H] fp32 (A = -exp(A_log) is taken in the kernel: no launch for
+    it). Returns norm(y · silu(z)) · w [B, H·P] in xbc's dtype, normalised per group of H / G heads.
+    A slot may appear twice only when it is scratch (CUDA-graph padding rows): its content then ends
+    unspecified; every live slot once."""
     num_seqs, conv_dim = xbc.shape
     n_state = ssm_states.shape[-1]
     d_inner = heads * head_dim
@@ -261,7 +262,7 @@ def mamba_decode_step(xbc: torch.Tensor, z: torch.Tensor, dt: torch.Tensor, conv
     hpg = heads // groups
     common = dict(GROUPS=groups, HPG=hpg, P=head_dim, N=n_state, KW=kw, KW_P2=triton.next_power_of_2(kw),
                   HAS_BIAS=conv_bias is not None, BLOCK_N=triton.next_power_of_2(n_state), num_warps=cfg["num_warps"])
-    args = (xbc, z, dt, conv_weight, conv_bias if conv_bias is not None else conv_weight, conv_states, A, D, dt_bias,
+    args = (xbc, z, dt, conv_weight, conv_bias if conv_bias is not None else conv_weight, conv_states, A_log, D, dt_bias,
             norm_weight, ssm_states, state_slots, out)
     strides = (xbc.stride(0), z.stride(0), dt.stride(0), conv_weight.stride(0), conv_states.stride(0),
                ssm_states.stride(0), out.stride(0), float(dt_min), float(eps))

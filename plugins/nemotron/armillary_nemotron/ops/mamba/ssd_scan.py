@@ -6,7 +6,9 @@ intra-chunk term (C·Bᵀ masked by the decay, times x·dt), the inter-chunk ter
 decay from the chunk start), the D skip, then the state hand-over S <- e^{Σa}·S + (x·dt·decay-to-end)ᵀ·B.
 The chunk size is the kernel's choice (the math is exact for any), the loop bound is read on the
 device, and the grid is (B, H, P / BLOCK_P): no host lists, so the call also works inside a CUDA
-graph. Reference: ``naive.ssd_chunk_scan_ref``.
+graph. Batches of at least ``chunked_min_tokens`` tokens take ``ssd_chunked`` instead (parallel
+over chunks: a long prompt is otherwise one chain of chunk steps per head). Reference:
+``naive.ssd_chunk_scan_ref``.
 """
 from __future__ import annotations
 
@@ -17,12 +19,14 @@ import triton.language as tl
 from armillary.kernels.tuning import kernel_config
 
 TUNING_PACKAGE = "armillary_nemotron"
-SCAN_DEFAULTS = {"CHUNK": 64, "BLOCK_P": 32, "num_warps": 4, "num_stages": 1}
+# PASS_P / pass_warps: the chunked path's state hand-over; chunked_min_tokens: the smallest batch it takes
+SCAN_DEFAULTS = {"CHUNK": 64, "BLOCK_P": 32, "num_warps": 4, "num_stages": 1, "PASS_P": 16, "pass_warps": 4,
+                 "chunked_min_tokens": 256}
 
 
 @triton.jit
 def _ssd_scan_kernel(
-    x_ptr, b_ptr, c_ptr, dt_ptr, a_ptr, d_ptr, dt_bias_ptr, states_ptr, slots_ptr, cu_ptr, y_ptr,
+    x_ptr, b_ptr, c_ptr, dt_ptr, a_log_ptr, d_ptr, dt_bias_ptr, states_ptr, slots_ptr, cu_ptr, y_ptr,
     stride_x, stride_dt, stride_y, stride_state, dt_min,
     HEADS_PER_GROUP: tl.constexpr, P: tl.constexpr, N: tl.constexpr,
     CHUNK: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
@@ -41,7 +45,7 @@ def _ssd_scan_kernel(
     state_ptrs = states_ptr + slot * stride_state + head * P * N + cols[:, None] * N + n[None, :]
     state = tl.load(state_ptrs, mask=m_p[:, None] & m_n[None, :], other=0.0).to(tl.float32)  # [BP, BN]
 
-    a_head = tl.load(a_ptr + head).to(tl.float32)
+    a_head = -tl.exp(tl.load(a_log_ptr + head).to(tl.float32))  # A = -exp(A_log)
     d_head = tl.load(d_ptr + head).to(tl.float32)
     bias = tl.load(dt_bias_ptr + head).to(tl.float32)
     rows = tl.arange(0, CHUNK)
@@ -90,13 +94,13 @@ def scan_config(device: torch.device | None = None) -> dict:
     return kernel_config(TUNING_PACKAGE, "mamba_ssd_scan", "default", SCAN_DEFAULTS, device)
 
 
-def ssd_chunk_scan(x: torch.Tensor, B: torch.Tensor, C: torch.Tensor, dt: torch.Tensor, A: torch.Tensor,
+def ssd_chunk_scan(x: torch.Tensor, B: torch.Tensor, C: torch.Tensor, dt: torch.Tensor, A_log: torch.Tensor,
                    D: torch.Tensor, dt_bias: torch.Tensor, dt_min: float, cu_seqlens: torch.Tensor,
                    ssm_states: torch.Tensor, state_slots: torch.Tensor, heads: int, head_dim: int,
                    out: torch.Tensor | None = None, config: dict | None = None) -> torch.Tensor:
     """x [T, H·P], B, C [T, G·N] (column views of the conv output, one row stride), dt [T, H] raw
-    (a view is fine), A [H] fp32 (= -exp(A_log)), D, dt_bias [H]; cu_seqlens [B+1] int32 on the
-    device; ssm_states [slots, H, P, N] (each slot contiguous), updated at ``state_slots`` [B].
+    (a view is fine), A_log [H] fp32 (A = -exp(A_log), taken in the kernels), D, dt_bias [H];
+    cu_seqlens [B+1] int32 on the device; ssm_states [slots, H, P, N] (each slot contiguous), updated at ``state_slots`` [B].
     Returns y [T, H·P] in x's dtype (or into ``out``)."""
     num_tokens = x.shape[0]
     groups_n = B.shape[1]
@@ -113,10 +117,15 @@ def ssd_chunk_scan(x: torch.Tensor, B: torch.Tensor, C: torch.Tensor, dt: torch.
     if num_tokens == 0 or num_seqs == 0:
         return y
     cfg = {**scan_config(x.device), **(config or {})}
+    if num_tokens >= cfg["chunked_min_tokens"]:
+        from armillary_nemotron.ops.mamba.ssd_chunked import ssd_chunked_scan
+
+        return ssd_chunked_scan(x, B, C, dt, A_log, D, dt_bias, dt_min, cu_seqlens, ssm_states, state_slots, heads,
+                                head_dim, y, cfg)
     block_p = min(cfg["BLOCK_P"], max(16, triton.next_power_of_2(head_dim)))
     grid = (num_seqs, heads, triton.cdiv(head_dim, block_p))
     _ssd_scan_kernel[grid](
-        x, B, C, dt, A, D, dt_bias, ssm_states, state_slots, cu_seqlens, y,
+        x, B, C, dt, A_log, D, dt_bias, ssm_states, state_slots, cu_seqlens, y,
         x.stride(0), dt.stride(0), y.stride(0), ssm_states.stride(0), float(dt_min),
         HEADS_PER_GROUP=heads // groups, P=head_dim, N=n_state, CHUNK=cfg["CHUNK"], BLOCK_P=block_p,
         BLOCK_N=max(16, triton.next_power_of_2(n_state)),

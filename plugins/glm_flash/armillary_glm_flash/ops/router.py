@@ -1,0 +1,73 @@
+"""The MoE router's float32 logits for decode rows in one Triton launch: x (model dtype) read and widened in the
+kernel, times the float32 router weight, float32 out (torch: a cast, then a cuBLAS GEMV and its reduction).
+
+logits[t, e] = Σ_k float(x[t, k]) · w[e, k], as transformers' ``F.linear(x.float(), w)``: the same
+products, summed in another order. A program takes ``BLOCK_E`` experts and ``BLOCK_T`` rows over the
+whole K (multiply-adds per lane, one reduction at the end): the [E, K] weight is read once per row
+block. Few rows only (``MAX_ROWS``); prefill keeps torch. CUDA-graph safe.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from armillary.kernels.tuning import kernel_config
+
+PACKAGE = "armillary_glm_flash"
+MAX_ROWS = 64
+DEFAULTS = {"BLOCK_E": 2, "BLOCK_K": 512, "num_warps": 4, "num_stages": 2}
+
+
+@triton.jit
+def _router_logits_kernel(x_ptr, w_ptr, out_ptr, rows, E, K, stride_xt, stride_we, stride_ot,
+                          BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Grid (expert blocks, row blocks): out [T, E] float32."""
+    offs_e = tl.program_id(0) * BLOCK_E + tl.arange(0, BLOCK_E)
+    offs_t = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
+    offs_k = tl.arange(0, BLOCK_K)
+    e_ok = offs_e < E
+    t_ok = offs_t < rows
+    wide = tl.zeros([BLOCK_T, BLOCK_E, BLOCK_K], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + offs_k
+        k_ok = k < K
+        x = tl.load(x_ptr + offs_t[:, None] * stride_xt + k[None, :], mask=t_ok[:, None] & k_ok[None, :], other=0.0)
+        w = tl.load(w_ptr + offs_e[:, None] * stride_we + k[None, :], mask=e_ok[:, None] & k_ok[None, :], other=0.0)
+        wide += x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]  # [BT, BE, BK]
+    acc = tl.sum(wide, axis=2)  # [BT, BE]
+    tl.store(out_ptr + offs_t[:, None] * stride_ot + offs_e[None, :], acc, mask=t_ok[:, None] & e_ok[None, :])
+
+
+def router_config(num_experts: int, hidden: int, rows: int, device: torch.device) -> dict:
+    """Launch config: defaults, then the tuning tables' ``router_logits`` entry for this shape and rows
+    (rounded up to a power of two)."""
+    key = f"e{num_experts}_k{hidden}_m{triton.next_power_of_2(max(rows, 1))}"
+    return kernel_config(PACKAGE, "router_logits", key, DEFAULTS, device)
+
+
+def router_logits_ref(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """The naive float32 product: x [T, K] (any float dtype), weight [E, K] -> [T, E] float32."""
+    return x.float() @ weight.float().t()
+
+
+def router_logits(x: torch.Tensor, weight: torch.Tensor, config: dict | None = None) -> torch.Tensor:
+    """x [T, K] (unit last stride, T <= ``MAX_ROWS``), weight [E, K] float32 (unit last stride) -> [T, E] float32."""
+    rows, k = x.shape
+    experts = weight.shape[0]
+    if weight.shape[1] != k or x.stride(1) != 1 or weight.stride(1) != 1 or weight.dtype != torch.float32:
+        raise ValueError(f"router_logits: x {tuple(x.shape)} / weight {tuple(weight.shape)} {weight.dtype} do not fit")
+    if rows > MAX_ROWS:
+        raise ValueError(f"router_logits: {rows} rows, at most {MAX_ROWS} (prefill takes torch)")
+    out = torch.empty(rows, experts, dtype=torch.float32, device=x.device)
+    if rows == 0:
+        return out
+    cfg = dict(router_config(experts, k, rows, x.device) if config is None else config)
+    block_t = min(triton.next_power_of_2(rows), 4)  # [BT, BE, BK] products stay within a few registers a lane
+    block_e = cfg["BLOCK_E"]
+    block_k = min(cfg["BLOCK_K"], triton.next_power_of_2(k))
+    grid = (triton.cdiv(experts, block_e), triton.cdiv(rows, block_t))
+    _router_logits_kernel[grid](x, weight, out, rows, experts, k, x.stride(0), weight.stride(0), out.stride(0),
+                                BLOCK_T=block_t, BLOCK_E=block_e, BLOCK_K=block_k, num_warps=cfg["num_warps"],
+                                num_stages=cfg["num_stages"])
+    return out
