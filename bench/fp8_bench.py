@@ -250,7 +250,7 @@ def phase_kernels(args) -> None:
             us = bench_us(lambda j, bm=block_m: fp8_moe.fp8_fused_moe(x, w13, s13, w2, s2, 128, 128,
                                                                       *routes[j % 4], "silu", block_m=bm), 4)
             report(f"fp8_fused_moe grouped T={t} {block_m}-row tiles us", us,
-                   f"{flop / us / 1e6:.0f} TFLOP/s{' (default)' if block_m == fp8_moe.grouped_block_m(t * TOP_K, E, True) else ''}")
+                   f"{flop / us / 1e6:.0f} TFLOP/s{' (default)' if block_m == fp8_moe.grouped_block_m(t * TOP_K, True) else ''}")
 
 
 def main() -> int:

@@ -253,8 +253,8 @@ def moe_checks(dev: torch.device, results: list) -> bool:
         weights, ids = routes[0]
         grouped = t * TOP_K > fp8_moe.GEMV_MAX_PAIRS
         want = ref.fused_moe(x, w13, s13, w2, s2, 128, 128, weights, ids, "silu", quantize_input=grouped)
-        default = fp8_moe.grouped_block_m(t * TOP_K, e, dev.type == "cuda") if grouped else None
-        for block_m in sorted({default, 64} if grouped and t * TOP_K >= 1024 and not SMOKE else {default}, key=str):
+        default = fp8_moe.grouped_block_m(t * TOP_K, dev.type == "cuda") if grouped else None
+        for block_m in sorted({default, 128} if grouped and t * TOP_K >= 1024 and not SMOKE else {default}, key=str):
             out = fp8_moe.fp8_fused_moe(x, w13, s13, w2, s2, 128, 128, weights, ids, "silu", block_m=block_m)
             err = ratio(out, want)
             us = bench_us(lambda j, bm=block_m: fp8_moe.fp8_fused_moe(x, w13, s13, w2, s2, 128, 128,

@@ -82,10 +82,11 @@ def _timed_steps(eng, n: int) -> float:
     return (time.perf_counter() - t) / n
 
 
-def decode(ours, rows: int) -> str:
+def steady_steps(ours, label: str, rows: int) -> str:
+    """One 1K-prompt request in steady decode: its timed ``engine.step()`` (64 steps), then 10 profiled."""
     rid = _steady(ours, 1024)
     ms = _timed_steps(ours.engine, 64) * 1e3
-    text = f"decode b1: engine.step() {ms:.3f} ms\n" + _profile(ours.engine.step, 10, rows)
+    text = f"{label}: engine.step() {ms:.3f} ms\n" + _profile(ours.engine.step, 10, rows)
     ours.engine.abort_request(rid)
     ours.engine.step()
     return text
@@ -134,14 +135,8 @@ def _host(fn, rows: int) -> str:
 
 
 def verify(ours, rows: int) -> str:
-    runner = ours.engine.runner
-    runner.speculative.force_accept = True
-    rid = _steady(ours, 1024)
-    ms = _timed_steps(ours.engine, 64) * 1e3
-    text = f"verify K=2 b1 forced accept: engine.step() {ms:.3f} ms\n" + _profile(ours.engine.step, 10, rows)
-    ours.engine.abort_request(rid)
-    ours.engine.step()
-    return text
+    ours.engine.runner.speculative.force_accept = True
+    return steady_steps(ours, "verify K=2 b1 forced accept", rows)
 
 
 @torch.inference_mode()
@@ -165,7 +160,7 @@ def main() -> None:
     lines = [f"{args.model}: start-up {ours.startup:.1f} s"]
     for sc in args.scenarios:
         if sc == "decode" and not spec:
-            lines.append(decode(ours, args.rows))
+            lines.append(steady_steps(ours, "decode b1", args.rows))
         elif sc == "verify":
             lines.append(verify(ours, args.rows))
         elif sc.startswith("prefill:"):
