@@ -349,12 +349,13 @@ def main() -> None:
         DEV, H, P, G, N, HIDDEN, E, K, INTER = "cpu", 4, 16, 2, 16, 64, 16, 2, 32
         checks = (kernel_checks,)
     for check in checks:
+        done = len(lines)
         try:
             check(lines)
         except Exception as exc:  # report and go on: one broken check must not hide the others
             lines.append(f"{check.__name__}: ERROR {type(exc).__name__}: {exc}")
+        print("\n".join(lines[done:]), flush=True)  # as each check ends: a run cut short keeps what it saw
     text = "\n".join(lines)
-    print(text)
     if args.out:
         Path(args.out).write_text(text + "\n")
     if os.environ.get("OUT"):
