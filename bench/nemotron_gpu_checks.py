@@ -341,9 +341,13 @@ def main() -> None:
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--out", default=None)
     ap.add_argument("--smoke", action="store_true", help="CPU, interpreter, small sizes: checks the driver only")
+    ap.add_argument("--only", default=None, help="comma-separated: kernel, tiny, real_width, sweep")
     args = ap.parse_args()
     lines: list[str] = []
     checks = (kernel_checks, tiny_checks, real_width_checks) + ((sweep,) if args.sweep else ())
+    if args.only:
+        wanted = {f"{name}_checks" if name != "sweep" else name for name in args.only.split(",")}
+        checks = tuple(check for check in (kernel_checks, tiny_checks, real_width_checks, sweep) if check.__name__ in wanted)
     if args.smoke:
         global DEV, H, P, G, N, HIDDEN, E, K, INTER
         DEV, H, P, G, N, HIDDEN, E, K, INTER = "cpu", 4, 16, 2, 16, 64, 16, 2, 32
