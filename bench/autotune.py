@@ -72,6 +72,9 @@ def plugin_sweeps(model: str) -> list[Sweep]:
               (lambda r: r) if both else (lambda r: {r["package"]: {"fused_moe_gemv": r["table"]}} if r.get("table")
                                           else {})),
     ]
+    if model not in ("gemma3", "all"):  # gemma3 is dense; the grouped sweep takes one model at a time
+        sweeps.append(Sweep("moe_grouped_sweep.py", ["--model", model], None, "moe_grouped_sweep.json",
+                            lambda r: {r["package"]: {"fused_moe": r["table"]}} if r.get("table") else {}))
     if model in ("nemotron", "all"):
         sweeps.append(Sweep("../plugins/nemotron/bench/mamba_decode_sweep.py", [], NEMOTRON, "mamba_decode_sweep.json",
                             lambda r: {"mamba_decode": r["table"]} if r.get("table") else {}))

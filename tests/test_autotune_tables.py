@@ -45,3 +45,21 @@ def test_moe_tune_results_become_table_entries():
               "tune_decode": {"p16": {"ms": 0.02, "config": {"BLOCK_N1": 32}}}}
     assert autotune._moe_tuned(result) == {"fused_moe": {"r512": {"BLOCK_M": 128}},
                                            "fused_moe_decode": {"p16": {"BLOCK_N1": 32}}}
+
+
+def test_grouped_moe_sweep_entries_reach_the_plugin_table(tmp_path):
+    """bench/moe_grouped_sweep.py's CPU smoke run: the winners compute what the defaults do, and autotune
+    files its table under the plugin's ``fused_moe`` kernel."""
+    import subprocess
+
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "moe_grouped_sweep.py"), "--out", str(tmp_path),
+                           "--model", "nemotron", "--smoke"], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = json.loads((tmp_path / "moe_grouped_sweep.json").read_text())
+    assert result["package"] == "armillary_nemotron" and {r["bucket"] for r in result["rows"]} == {"r8", "r32"}
+    assert all(r["rel_err_vs_defaults"] < 1e-2 for r in result["rows"] if r["config"] is not None)
+    assert set(result["table"]) <= {"r8", "r32"}
+    sweep = next(s for s in autotune.plugin_sweeps("nemotron") if s.script == "moe_grouped_sweep.py")
+    entries = sweep.entries({**result, "table": {"r8": {"BLOCK_M": 16}}})
+    assert entries == {"armillary_nemotron": {"fused_moe": {"r8": {"BLOCK_M": 16}}}}
+    assert not any(s.script == "moe_grouped_sweep.py" for s in autotune.plugin_sweeps("gemma3"))
