@@ -6,8 +6,8 @@ and merges them into this GPU's own table (``sm_90_h200.json`` on an H200; ``--g
 capability's ``sm_90.json``, which every sm_90 GPU reads beneath its own). By default each sweep times the
 Qwen3.6 shapes, so its entries go to the Qwen plugin's ``tuning/`` (model shapes stay out of
 core's tables, which keep the generic entries); ``--model nemotron|glm|gemma4|gemma3|all`` runs the
-skinny-GEMM and GEMV-MoE sweeps (and, for Nemotron, the Mamba decode split sweep) at that plugin
-model's shapes instead and merges into that plugin's ``tuning/``. Entries of kernels no sweep covers (attention
+skinny-GEMM, GEMV-MoE and grouped-MoE sweeps (for Nemotron also the Mamba decode split sweep, for
+Gemma the paged-attention decode sweep) at that plugin model's shapes instead and merges into that plugin's ``tuning/``. Entries of kernels no sweep covers (attention
 tiles, GDN chunk / conv tiles: picked by hand from ``attention_kernels.py`` and ``gdn_kernels.py``)
 are kept as they are.
 
@@ -52,6 +52,7 @@ class Sweep:
     result: str  # the JSON file the sweep writes into its --out directory
     entries: Callable[[dict], dict]  # result -> {kernel: entry} (with package None: {package: {kernel: entry}})
     by_shape: bool = False  # replace only the shapes it swept (a plugin of two models swept one at a time)
+    by_key: bool = False  # replace only the keys it wrote (head dims: Gemma 3 and Gemma 4 share a table)
 
 
 SWEEPS = [
@@ -60,7 +61,15 @@ SWEEPS = [
     Sweep("moe_kernels.py", ["--tune"], QWEN, "moe_kernels.json", _moe_tuned),
     Sweep("gdn_decode_sweep.py", [], QWEN, "gdn_decode_sweep.json",
           lambda r: {"gdn_decode": r["recommended"]["gdn_decode"]} if r.get("recommended") else {}),
+    Sweep("attention_decode_sweep.py", ["--model", "qwen"], QWEN, "attention_decode_sweep.json",
+          lambda r: {"paged_attention_decode": r["table"]} if r.get("table") else {}),
 ]
+
+
+def _attention_sweep(model: str) -> Sweep:
+    return Sweep("attention_decode_sweep.py", ["--model", model], None, "attention_decode_sweep.json",
+                 lambda r: {r["package"]: {"paged_attention_decode": r["table"]}} if r.get("table") else {},
+                 by_key=True)
 
 
 def plugin_sweeps(model: str) -> list[Sweep]:
@@ -75,11 +84,13 @@ def plugin_sweeps(model: str) -> list[Sweep]:
     if model not in ("gemma3", "all"):  # gemma3 is dense; the grouped sweep takes one model at a time
         sweeps.append(Sweep("moe_grouped_sweep.py", ["--model", model], None, "moe_grouped_sweep.json",
                             lambda r: {r["package"]: {"fused_moe": r["table"]}} if r.get("table") else {}))
+    if model in ("gemma4", "gemma3"):  # core's paged attention decodes them: their head dims' splits
+        sweeps.append(_attention_sweep(model))
     if model in ("nemotron", "all"):
         sweeps.append(Sweep("../plugins/nemotron/bench/mamba_decode_sweep.py", [], NEMOTRON, "mamba_decode_sweep.json",
                             lambda r: {"mamba_decode": r["table"]} if r.get("table") else {}))
-    if model == "gemma3":
-        sweeps = sweeps[:1]  # dense: no MoE
+    if model == "gemma3":  # dense: no MoE sweeps
+        sweeps = [s for s in sweeps if s.script in ("skinny_gemm.py", "attention_decode_sweep.py")]
     return sweeps
 
 
@@ -115,11 +126,12 @@ def render(table: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def merge(table: dict, entries: dict, source: str, by_shape: bool = False) -> dict:
+def merge(table: dict, entries: dict, source: str, by_shape: bool = False, by_key: bool = False) -> dict:
     """``table`` with each kernel's entry replaced by the sweep's, stamped with where it came from.
 
     ``by_shape`` (skinny-GEMM keys ``n{N}_k{K}_m{M}``): the old keys of shapes the sweep did not time
-    stay, and ``max_rows`` is the larger of the two (Gemma 3 then Gemma 4 into the gemma plugin's table)."""
+    stay, and ``max_rows`` is the larger of the two (Gemma 3 then Gemma 4 into the gemma plugin's table);
+    ``by_key``: every old key the sweep did not write stays."""
     merged = dict(table)
     for kernel, entry in entries.items():
         new = {"_comment": f"{source}, {datetime.date.today()}", **entry}
@@ -129,6 +141,8 @@ def merge(table: dict, entries: dict, source: str, by_shape: bool = False) -> di
             kept = {key: v for key, v in old.items() if key.startswith("n") and key.rsplit("_m", 1)[0] not in swept}
             rows = [d.get("max_rows") for d in (old.get("default", {}), entry.get("default", {})) if d.get("max_rows")]
             new = {**new, **kept, **({"default": {**entry.get("default", {}), "max_rows": max(rows)}} if rows else {})}
+        if by_key and old:
+            new = {**{k: v for k, v in old.items() if k != "_comment"}, **new}
         merged[kernel] = new
     return merged
 
@@ -165,7 +179,8 @@ def main() -> None:
             if package not in tables:
                 path = table_path(package, name)
                 tables[package] = json.loads(path.read_text()) if path.exists() else {}
-            tables[package] = merge(tables[package], kernels, f"bench/{Path(sweep.script).name}", sweep.by_shape)
+            tables[package] = merge(tables[package], kernels, f"bench/{Path(sweep.script).name}", sweep.by_shape,
+                                    sweep.by_key)
     for package, table in tables.items():
         text = render(table)
         review = args.out / "tuning" / package / f"{name}.json"

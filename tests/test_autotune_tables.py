@@ -63,3 +63,22 @@ def test_grouped_moe_sweep_entries_reach_the_plugin_table(tmp_path):
     entries = sweep.entries({**result, "table": {"r8": {"BLOCK_M": 16}}})
     assert entries == {"armillary_nemotron": {"fused_moe": {"r8": {"BLOCK_M": 16}}}}
     assert not any(s.script == "moe_grouped_sweep.py" for s in autotune.plugin_sweeps("gemma3"))
+
+
+def test_attention_decode_sweep_entries_keep_other_head_dims(tmp_path):
+    """bench/attention_decode_sweep.py's CPU smoke run writes a result autotune files under the plugin's
+    ``paged_attention_decode``, keeping the head dims another model of the same plugin swept."""
+    import subprocess
+
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "attention_decode_sweep.py"), "--out", str(tmp_path),
+                           "--model", "gemma4", "--smoke"], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = json.loads((tmp_path / "attention_decode_sweep.json").read_text())
+    assert result["package"] == "armillary_gemma"
+    assert all(row["rel_err"] < 1e-4 for r in result["results"] for row in r["rows"])  # any split: the same math
+    sweep = next(s for s in autotune.plugin_sweeps("gemma3") if s.script == "attention_decode_sweep.py")
+    entries = sweep.entries({**result, "table": {"d128": {"split_min_tokens": 64}}})
+    old = {"paged_attention_decode": {"d256": {"split_min_tokens": 32}}}
+    merged = autotune.merge(old, entries["armillary_gemma"], "bench/attention_decode_sweep.py", by_key=sweep.by_key)
+    assert merged["paged_attention_decode"]["d256"] == {"split_min_tokens": 32}
+    assert merged["paged_attention_decode"]["d128"] == {"split_min_tokens": 64}
