@@ -40,6 +40,25 @@ def layer_kinds(hf: HFConfig) -> list[str]:
     return [_PATTERN[c] for c in pattern]
 
 
+def mtp_layer_kinds(hf: HFConfig) -> tuple[str, ...]:
+    """The MTP head's sublayers (mamba | moe | attention | mlp), empty when ``num_nextn_predict_layers`` is 0:
+    ``mtp_layers_block_type`` (transformers 5), else ``mtp_hybrid_override_pattern`` (NVIDIA's config.json,
+    Nemotron-3 Super: ``"*E"``), else transformers' default attention + MoE."""
+    if not int(getattr(hf, "num_nextn_predict_layers", 0) or 0):
+        return ()
+    listed = getattr(hf, "mtp_layers_block_type", None)
+    if listed:
+        unknown = sorted(set(listed) - set(_BLOCK_TYPES))
+        if unknown:
+            raise ValueError(f"config.json mtp_layers_block_type has unknown types {unknown}")
+        return tuple(_BLOCK_TYPES[t] for t in listed)
+    pattern = getattr(hf, "mtp_hybrid_override_pattern", None) or "*E"
+    unknown = sorted(set(pattern) - set(_PATTERN))
+    if unknown:
+        raise ValueError(f"config.json mtp_hybrid_override_pattern has unknown layer letters {unknown}")
+    return tuple(_PATTERN[c] for c in pattern)
+
+
 @dataclass(frozen=True, slots=True)
 class NemotronHArgs:
     kinds: tuple[str, ...]
@@ -75,6 +94,9 @@ class NemotronHArgs:
     topk_group: int
     norm_topk_prob: bool
     max_position_embeddings: int
+    # MTP head (Nemotron-3 Super): its sublayers, and how many times the checkpoint stacks them
+    mtp_kinds: tuple[str, ...] = ()
+    mtp_steps: int = 0
 
     @property
     def d_inner(self) -> int:
@@ -91,9 +113,6 @@ class NemotronHArgs:
         if getattr(hf, "moe_latent_size", None) is not None:
             raise ValueError("config.json sets moe_latent_size (latent MoE projections, Nemotron-3 Super), "
                              "which this plugin does not implement yet")
-        if getattr(hf, "num_nextn_predict_layers", 0):
-            logger.warning("config.json declares %d MTP layers; armillary_nemotron serves the main model only "
-                           "(mtp.* tensors are skipped)", hf.num_nextn_predict_layers)
         if getattr(hf, "attention_bias", False):
             logger.warning("config.json sets attention_bias, which nemotron_h attention ignores (as transformers "
                            "does): the q/k/v/o projections have no bias")
@@ -142,4 +161,6 @@ class NemotronHArgs:
             topk_group=int(_get(hf, ("topk_group",), 1)),
             norm_topk_prob=bool(_get(hf, ("norm_topk_prob",), True)),
             max_position_embeddings=int(_get(hf, ("max_position_embeddings",), 4096)),
+            mtp_kinds=mtp_layer_kinds(hf),
+            mtp_steps=int(getattr(hf, "num_nextn_predict_layers", 0) or 0),
         )

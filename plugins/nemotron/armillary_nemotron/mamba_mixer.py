@@ -6,6 +6,7 @@ place, each sequence continuing from its slot's conv window and fp32 SSM state a
 back; decode-only steps on the Triton path run one fused decode kernel (conv update, selective
 state update, D skip, softplus dt, gated norm; A = -exp(A_log) taken inside), which reads no host
 list, so the step can be captured in a CUDA graph: in_proj, that kernel and out_proj per layer.
+Speculative verify steps go through ``mamba_verify`` (a state row per verified position).
 dt = max(softplus(dt + dt_bias), time_step_min) on both paths (transformers applies the floor in
 its chunked path only; a floor that differs between paths would make a recomputed prefix differ).
 """
@@ -19,6 +20,7 @@ from armillary.forward_batch import ForwardBatch, RecurrentState
 from armillary.kernels import ops
 from armillary.layers import GatedRMSNorm, ReplicatedLinear
 from armillary_nemotron.config import NemotronHArgs
+from armillary_nemotron.mamba_verify import mamba_verify
 from armillary_nemotron.ops.mamba.naive import ssd_chunk_scan_ref
 
 
@@ -58,6 +60,8 @@ class Mamba2Mixer(nn.Module):
         slots = batch.state_slots
         gn = self.groups * self.state_size
         fast = ops.use_triton(x)
+        if batch.spec_state_rows is not None:  # a speculative verify step: the state after every position kept
+            return self.out_proj(mamba_verify(self, projected, batch, conv_states, ssm_states, fast))
         if fast and batch.is_decode_only:  # conv, state update and gated norm in one launch
             from armillary_nemotron.ops.mamba.decode import mamba_decode_step
 

@@ -3,8 +3,9 @@
 Each block is ``h += mixer(RMSNorm(h))``; the residual add is fused into the next block's norm.
 Checkpoint names: ``backbone.*`` (NVIDIA's, and what transformers 5 writes) or ``model.*`` both map
 onto ``backbone.*``; ``lm_head.*`` stays (tied to the embedding only when the checkpoint has no
-head and ``tie_word_embeddings`` is set); ``mtp.*`` tensors (Nemotron-3 Super's MTP head, not
-served yet) are skipped with one log line.
+head and ``tie_word_embeddings`` is set); ``mtp.layers.{j}.*`` (Nemotron-3 Super's MTP head, ``mtp.py``)
+load into ``mtp`` when the config declares it (``num_nextn_predict_layers``) and it can draft, and
+are skipped with one log line saying why otherwise.
 """
 from __future__ import annotations
 
@@ -16,14 +17,13 @@ from torch import nn
 
 from armillary.cache_spec import FullAttention, LayerCacheSpec, Recurrent
 from armillary.errors import WeightLoadError
-from armillary.forward_batch import ForwardBatch, KVCache, LayerCache, RecurrentState
+from armillary.forward_batch import ForwardBatch
 from armillary.hf_config import HFConfig
 from armillary.layers import CheckpointLoader, LMHead, RMSNorm, VocabEmbedding
 from armillary.model_base import CausalLM
-from armillary_nemotron.attention import NemotronHAttention
-from armillary_nemotron.config import ATTENTION, MAMBA, MLP, MOE, NemotronHArgs
-from armillary_nemotron.mamba_mixer import Mamba2Mixer
-from armillary_nemotron.moe import NemotronHMoE, ReluSquaredMLP
+from armillary_nemotron.block import NemotronHBlock
+from armillary_nemotron.config import ATTENTION, MAMBA, NemotronHArgs
+from armillary_nemotron.mtp import NemotronHMTP, mtp_cache_layout, mtp_unsupported
 
 logger = logging.getLogger(__name__)
 
@@ -34,39 +34,6 @@ def ssm_state_dtype(hf_config: HFConfig) -> torch.dtype:
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         raise ValueError(f"config.json mamba_ssm_cache_dtype={name!r} is not a float dtype")
     return dtype
-
-
-class NemotronHBlock(nn.Module):
-    def __init__(self, cfg: NemotronHArgs, kind: str, prefix: str) -> None:
-        super().__init__()
-        self.kind = kind
-        self.norm = RMSNorm(cfg.hidden_size, cfg.eps)
-        if kind == MAMBA:
-            self.mixer: nn.Module = Mamba2Mixer(cfg, prefix=f"{prefix}.mixer")
-        elif kind == ATTENTION:
-            self.mixer = NemotronHAttention(cfg, prefix=f"{prefix}.mixer")
-        elif kind == MOE:
-            self.mixer = NemotronHMoE(cfg, prefix=f"{prefix}.mixer")
-        else:
-            self.mixer = ReluSquaredMLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_act, cfg.mlp_bias,
-                                        prefix=f"{prefix}.mixer")
-
-    def forward(self, h: torch.Tensor, residual: torch.Tensor | None, batch: ForwardBatch,
-                cache: LayerCache | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """(mixer output, residual stream), both [T, H]."""
-        if residual is None:
-            residual, x = h, self.norm(h)
-        else:
-            x, residual = self.norm.add(h, residual)
-        if self.kind == MAMBA:
-            if not isinstance(cache, RecurrentState):
-                raise TypeError(f"a Mamba-2 layer needs a RecurrentState cache, got {type(cache).__name__}")
-            return self.mixer(x, batch, cache), residual
-        if self.kind == ATTENTION:
-            if not isinstance(cache, KVCache):
-                raise TypeError(f"an attention layer needs a KVCache, got {type(cache).__name__}")
-            return self.mixer(x, batch, cache), residual
-        return self.mixer(x), residual
 
 
 class NemotronHBackbone(nn.Module):
@@ -95,6 +62,7 @@ class NemotronHForCausalLM(CausalLM):
         # transformers never ties nemotron_h's head (its _tied_weights_keys is empty) and saves lm_head.weight
         # even under tie_word_embeddings; the head is tied only when a checkpoint has none (load_weights)
         self.lm_head = LMHead(cfg.hidden_size, cfg.vocab_size)
+        self.mtp = NemotronHMTP(cfg) if cfg.mtp_kinds and mtp_unsupported(cfg) is None else None
         self.requires_grad_(False)
 
     @classmethod
@@ -107,11 +75,28 @@ class NemotronHForCausalLM(CausalLM):
         return [mamba if k == MAMBA else attention if k == ATTENTION else None for k in cfg.kinds]
 
     @classmethod
+    def draft_cache_layout(cls, hf_config: HFConfig) -> list[LayerCacheSpec | None]:
+        cfg = NemotronHArgs.parse(hf_config)
+        if not cfg.mtp_kinds:
+            return []
+        reason = mtp_unsupported(cfg)
+        if reason is not None:
+            raise NotImplementedError(f"nemotron_h MTP speculation: {reason}")
+        return mtp_cache_layout(cfg)
+
+    @classmethod
     def max_model_len(cls, hf_config: HFConfig) -> int:
         return NemotronHArgs.parse(hf_config).max_position_embeddings
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         return self.backbone(batch)
+
+    def draft_forward(self, batch: ForwardBatch, hidden: torch.Tensor) -> torch.Tensor:
+        """One MTP pass (see ``CausalLM.draft_forward``); ``batch.caches`` are the MTP sublayers' caches."""
+        if self.mtp is None:
+            raise NotImplementedError("this checkpoint's config declares no MTP layers (num_nextn_predict_layers)"
+                                      if not self.config.mtp_kinds else mtp_unsupported(self.config))
+        return self.mtp(batch, hidden, self.backbone.embeddings)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head.compute_logits(hidden)
@@ -123,14 +108,15 @@ class NemotronHForCausalLM(CausalLM):
         with torch.no_grad():
             for ckpt_name, tensor in weights:
                 name = "backbone." + ckpt_name[len("model."):] if ckpt_name.startswith("model.") else ckpt_name
-                if name.startswith("mtp."):
+                if name.startswith("mtp.") and self.mtp is None:
                     skipped_mtp += 1
                     continue
                 has_head = has_head or name == "lm_head.weight"
                 if loader.load(name, tensor, source=ckpt_name) is None:
                     unknown.append(ckpt_name)
         if skipped_mtp:
-            logger.info("skipped %d mtp.* tensors (MTP is not served for nemotron_h yet)", skipped_mtp)
+            why = mtp_unsupported(self.config) or "the config declares no MTP layers (num_nextn_predict_layers)"
+            logger.info("skipped %d mtp.* tensors: %s", skipped_mtp, why)
         if unknown:
             shown = ", ".join(sorted(unknown)[:20])
             more = f" and {len(unknown) - 20} more" if len(unknown) > 20 else ""
