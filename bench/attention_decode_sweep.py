@@ -107,15 +107,9 @@ class Case:
         if SMOKE:
             return 1.0, result
         import triton.testing
+        from attention_kernels import capture
 
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            fn()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            fn()
+        graph = capture(fn)
         return triton.testing.do_bench(graph.replay, warmup=5, rep=25, return_mode="median"), result
 
 
