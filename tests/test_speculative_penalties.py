@@ -18,7 +18,7 @@ from plugins.qwen_gdn_moe.tests.mtp_checkpoint import save_with_mtp
 from tests.fixtures.engine_runs import run_to_completion
 from tests.fixtures.penalties import KINDS
 from tests.fixtures.penalties import seq_with_output as _seq
-from tests.fixtures.oracle_drafts import OracleProposer, oracle_reference
+from tests.fixtures.oracle_drafts import use_oracle_drafts
 
 
 @pytest.mark.parametrize("vocab", [7, 33, 101])
@@ -125,17 +125,7 @@ def test_speculation_with_penalties_equals_no_speculation_and_accepts(mtp_dir, k
     assert free[0][1] not in base[-2][:6] and len(base[-2]) >= 7  # min_tokens held the stop token back
     assert base[-1] == free[1][:work[-1][1].min_tokens + 1]  # and let it end the output right after
     engine = build_engine(mtp_dir, block_size=8, num_kv_blocks=128, max_num_seqs=8, speculative=True, num_drafts=k)
-    runner = engine.runner
-    runner.proposer = OracleProposer(runner.proposer, oracle_reference(ps, base), VOCAB)
-    accepted: list[int] = []
-    update = engine.scheduler.update_from_output
-
-    def spy(plan, output):
-        if output is not None:
-            accepted.extend(len(t) - 1 for c, t in zip(plan.sampled, output.token_ids) if c.draft_tokens)
-        return update(plan, output)
-
-    engine.scheduler.update_from_output = spy
+    accepted = use_oracle_drafts(engine, ps, base, VOCAB)
     assert run_to_completion(engine, work) == base
     assert set(accepted) == set(range(k + 1)), accepted  # every accepted length, up to K, happened
     assert engine.stats()["spec_tokens_per_step"] > 1.0

@@ -13,7 +13,7 @@ from plugins.qwen_gdn_moe.tests.harness import build_engine
 from plugins.qwen_gdn_moe.tests.hf_models import CASES_BY_NAME, VOCAB, prompts
 from plugins.qwen_gdn_moe.tests.mtp_checkpoint import save_with_mtp
 from tests.fixtures.engine_runs import run_to_completion
-from tests.fixtures.oracle_drafts import OracleProposer, oracle_reference
+from tests.fixtures.oracle_drafts import OracleProposer, oracle_reference, use_oracle_drafts
 
 NEW = 24
 
@@ -52,17 +52,7 @@ def test_oracle_drafts_accept_every_length_and_equal_no_speculation(mtp_dir, k):
     work = [(p, _greedy()) for p in ps]
     base = run_to_completion(build_engine(mtp_dir, block_size=8, num_kv_blocks=128, max_num_seqs=8), work)
     engine = build_engine(mtp_dir, block_size=8, num_kv_blocks=128, max_num_seqs=8, speculative=True, num_drafts=k)
-    runner = engine.runner
-    runner.proposer = OracleProposer(runner.proposer, oracle_reference(ps, base), VOCAB)
-    lengths: list[int] = []
-    scheduler_update = engine.scheduler.update_from_output
-
-    def spy(plan, output):
-        if output is not None:
-            lengths.extend(len(t) - 1 for c, t in zip(plan.sampled, output.token_ids) if c.draft_tokens)
-        return scheduler_update(plan, output)
-
-    engine.scheduler.update_from_output = spy
+    lengths = use_oracle_drafts(engine, ps, base, VOCAB)
     assert run_to_completion(engine, work) == base
     assert set(lengths) == set(range(k + 1)), lengths  # every accepted length happened
     assert engine.stats()["spec_tokens_per_step"] > 1.0
