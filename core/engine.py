@@ -80,6 +80,7 @@ class LLMEngine:
         layout = fp8_kv_layout(model_cls.cache_layout(self.hf_config), config.kv_cache_dtype,
                                config.kv_high_precision_layers)
         self.num_drafts = self._num_drafts(model_cls)
+        self.snapshots_inside_chunks = bool(getattr(model_cls, "snapshots_inside_chunks", False))
         main_layers = len(layout)
         if self.num_drafts:
             layout = layout + model_cls.draft_cache_layout(self.hf_config)  # the draft head's own caches
@@ -104,7 +105,8 @@ class LLMEngine:
                                                 checkpoint_interval=config.state_checkpoint_interval)
         self.scheduler = Scheduler(config.max_num_seqs, config.max_num_batched_tokens, self.cache, self._check_token,
                                    num_drafts=self.num_drafts, spec_row=self.plan.spec_row,
-                                   policy=build_policy(config.scheduling_policy, config.tbt_deadline_ms))
+                                   policy=build_policy(config.scheduling_policy, config.tbt_deadline_ms),
+                                   snapshots_inside_chunks=self.snapshots_inside_chunks)
         self.requests: dict[str, RequestState] = {}
         # speculation reads each step's drafts on the host before planning the next one
         self.async_scheduling = not self.num_drafts and (

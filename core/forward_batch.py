@@ -95,6 +95,9 @@ class ForwardBatch:
     # a verify step (every sequence: K+1 tokens): [B, K] state rows to keep each sequence's recurrent
     # state after its positions 0..K-1 in; the state after the last goes to its slot as usual
     spec_state_rows: torch.Tensor | None = None
+    # prefix caching, models with ``snapshots_inside_chunks``: (sequence b, n, row): each recurrent layer
+    # saves sequence b's state after the first n tokens of its chunk (0 < n < its length) to snapshot row
+    state_snapshots: list[tuple[int, int, int]] = field(default_factory=list)
 
     def block_tables_of(self, cache: KVCache | LatentCache) -> torch.Tensor:
         """[B, max_blocks] block table of ``cache``'s group."""

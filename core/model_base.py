@@ -17,7 +17,14 @@ class CausalLM(nn.Module, ABC):
 
     Constructed as ``cls(hf_config)`` under ``torch.device(device)`` with the model dtype as torch's
     default dtype; parameters may be left uninitialised since ``load_weights`` fills them all.
+
+    ``snapshots_inside_chunks``: True when every recurrent layer honours ``ForwardBatch.state_snapshots``
+    (saves a sequence's state part-way through its chunk to a snapshot row). Prefix caching then
+    checkpoints inside a prefill chunk; otherwise the scheduler ends the chunk at the checkpoint,
+    which costs an extra step per prompt.
     """
+
+    snapshots_inside_chunks: bool = False
 
     @classmethod
     @abstractmethod

@@ -129,6 +129,8 @@ class ModelRunner:
             max_seq_len=max(seq_lens),
             group_block_tables=tables,
             group_slot_mappings=slot_maps,
+            state_snapshots=[(i, c.snapshot[0] - c.start, c.snapshot[1]) for i, c in enumerate(plan.chunks)
+                             if c.snapshot is not None],
         )
         if plan.input_tokens is not None:
             batch.input_ids.copy_(plan.input_tokens)

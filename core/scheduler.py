@@ -7,7 +7,8 @@ sets the step's budget, what of it prefill chunks may take, and the order of adm
 memory runs out, the newest running sequence is preempted by recompute: everything it holds is
 freed and it waits at the front of the queue. A prefill chunk ends early at the deepest position
 in ``seq.chunk_stops`` (block-aligned checkpoints) it reaches, where the step snapshots the
-recurrent state when the snapshot budget allows.
+recurrent state when the snapshot budget allows; a model with ``snapshots_inside_chunks`` saves
+that state itself part-way through the chunk, which then runs on to its budget.
 
 ``schedule()`` returns a ``StepPlan``; after the worker ran it, ``update_from_output(plan,
 output)`` advances ``num_computed_tokens``, trims what was not accepted, returns blocks that
@@ -36,8 +37,10 @@ def _length_only(seq: Sequence, token: int) -> str | None:
 class Scheduler:
     def __init__(self, max_num_seqs: int, max_num_batched_tokens: int, cache: CacheCoordinator,
                  check_token: TokenCheck = _length_only, num_drafts: int = 0,
-                 spec_row: Callable[[int, int], int] | None = None, policy: SchedulingPolicy | None = None) -> None:
+                 spec_row: Callable[[int, int], int] | None = None, policy: SchedulingPolicy | None = None,
+                 snapshots_inside_chunks: bool = False) -> None:
         self.policy = policy or SchedulingPolicy()  # admission order and step budget (fcfs unless given)
+        self.snapshots_inside_chunks = snapshots_inside_chunks  # the model saves states mid-chunk itself
         self.num_drafts = num_drafts  # speculation: drafts verified per decode step (0: off)
         self.spec_row = spec_row  # (slot, position i) -> the row holding the state after verified position i
         self.max_num_seqs = max_num_seqs
@@ -161,6 +164,8 @@ class Scheduler:
         stops = seq.chunk_stops
         while stops and stops[0] <= start:
             stops.pop(0)  # passed: a long decode must not rescan its prompt's checkpoints every step
+        if self.snapshots_inside_chunks:
+            return n  # the model saves the state at the checkpoint inside the chunk (``_chunk``)
         inside = [stop for stop in stops if stop <= start + n] if stops and stops[0] <= start + n else []
         return inside[-1] - start if inside else n  # the deepest checkpoint: one snapshot per chunk at most
 
@@ -169,12 +174,18 @@ class Scheduler:
         seq.num_scheduled_tokens = start + n
         end = start + n
         rec = self.cache.recurrent
-        if end in seq.chunk_stops and rec is not None and end not in seq.snapshots:
-            row = rec.new_snapshot()
-            if row is not None:
-                snapshots.append((seq.state_slot, row))
-                seq.snapshots[end] = row
-        return ScheduledChunk(seq, start, n, sample=end == len(seq))
+        # the deepest checkpoint the chunk reaches: one snapshot per chunk at most
+        stop = max((p for p in seq.chunk_stops if start < p <= end), default=None) if rec is not None else None
+        if stop is None or stop in seq.snapshots:
+            return ScheduledChunk(seq, start, n, sample=end == len(seq))
+        row = rec.new_snapshot()
+        if row is None:
+            return ScheduledChunk(seq, start, n, sample=end == len(seq))
+        seq.snapshots[stop] = row
+        if stop == end:  # the chunk ends there: copied from the slot after the forward
+            snapshots.append((seq.state_slot, row))
+            return ScheduledChunk(seq, start, n, sample=end == len(seq))
+        return ScheduledChunk(seq, start, n, sample=end == len(seq), snapshot=(stop, row))
 
     # ---- results
 

@@ -30,6 +30,9 @@ class ScheduledChunk:
     num_tokens: int
     sample: bool
     draft_tokens: list[int] = field(default_factory=list)
+    # (position, row): the model saves the recurrent state after ``position`` (inside the chunk) to
+    # snapshot ``row`` during the forward (prefix caching on a model with ``snapshots_inside_chunks``)
+    snapshot: tuple[int, int] | None = None
 
     @property
     def end(self) -> int:

@@ -18,6 +18,7 @@ from armillary.kernels import ops
 from armillary.layers import GatedRMSNorm, MergedColumnParallelLinear, RowParallelLinear
 from armillary_qwen_gdn_moe.config import QwenHybridConfig
 from armillary_qwen_gdn_moe.ops.gated_delta_rule import chunk_gated_delta_rule_ref, recurrent_gated_delta_rule_ref
+from armillary_qwen_gdn_moe.state_snapshots import conv_windows, split_chunks, two_pass
 
 
 IN_PROJ_SHARDS = ("q", "k", "v", "z", "b", "a")  # the slots of ``in_proj``, in row order
@@ -98,6 +99,10 @@ class GatedDeltaNet(nn.Module):
         mixed_qkv, z, b, a = projected.split(
             [self.conv_dim, self.value_dim, self.num_v_heads, self.num_v_heads], dim=-1
         )
+        snaps = batch.state_snapshots
+        if snaps:  # the windows before this step: the conv overwrites the slots
+            conv_before = conv_states[batch.state_slots[torch.tensor([s[0] for s in snaps], device=x.device)]]
+            conv_inputs = mixed_qkv
         mixed_qkv = ops.causal_conv1d(mixed_qkv, self.conv1d.weight[:, 0], None, conv_states, batch.state_slots,
                                       batch, activation=self.activation)  # [T, conv_dim]
         q, k, v = mixed_qkv.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
@@ -105,16 +110,31 @@ class GatedDeltaNet(nn.Module):
         k = k.reshape(num_tokens, self.num_k_heads, self.head_k_dim)
         v = v.reshape(num_tokens, self.num_v_heads, self.head_v_dim)
         if fast:
-            from armillary_qwen_gdn_moe.ops.gated_delta_rule.chunk import chunk_gated_delta_rule_slots
             from armillary_qwen_gdn_moe.ops.gated_delta_rule.gates import gdn_gates
 
             beta, g = gdn_gates(b, a, self.A_log, self.dt_bias)  # [T, HV] each, g the log decay
-            core = chunk_gated_delta_rule_slots(q, k, v, g, beta, batch.query_start_loc, ssm_states,
-                                                batch.state_slots, cu_seqlens_cpu=batch.query_start_loc_cpu)
         else:
             beta = torch.sigmoid(b)
             g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())  # [T, HV] log decay
-            core = self._delta_rule(q, k, v, g, beta, batch, ssm_states)  # [T, HV, V]
+
+        def rule(rows: torch.Tensor | None, cu: list[int], slots: torch.Tensor) -> torch.Tensor:
+            """The delta rule over ``rows`` of the step (None: all) from and into ``slots``: [rows, HV, V]."""
+            qr, kr, vr, gr, br = (t if rows is None else t.index_select(0, rows) for t in (q, k, v, g, beta))
+            if fast:
+                from armillary_qwen_gdn_moe.ops.gated_delta_rule.chunk import chunk_gated_delta_rule_slots
+
+                cu_dev = batch.query_start_loc if rows is None else torch.tensor(cu, dtype=torch.int32,
+                                                                                   device=x.device)
+                return chunk_gated_delta_rule_slots(qr, kr, vr, gr, br, cu_dev, ssm_states, slots, cu_seqlens_cpu=cu)
+            return self._delta_rule(qr, kr, vr, gr, br, cu, slots, ssm_states)
+
+        if snaps:  # checkpoints inside the chunk: two passes, the state saved between them
+            split = split_chunks(batch.query_start_loc_cpu, snaps)
+            rows = torch.tensor(split.snap_rows, dtype=torch.long, device=x.device)
+            conv_states[rows] = conv_windows(conv_before, conv_inputs, batch.query_start_loc_cpu, snaps)
+            core = two_pass(rule, split, num_tokens, batch.state_slots, ssm_states, v)
+        else:
+            core = rule(None, batch.query_start_loc_cpu, batch.state_slots)  # [T, HV, V]
         core = self.norm(core, z.reshape(num_tokens, self.num_v_heads, self.head_v_dim))
         return self.out_proj(core.reshape(num_tokens, self.value_dim))
 
@@ -166,11 +186,12 @@ class GatedDeltaNet(nn.Module):
         v: torch.Tensor,
         g: torch.Tensor,
         beta: torch.Tensor,
-        batch: ForwardBatch,
+        bounds: list[int],
+        state_slots: torch.Tensor,
         ssm_states: torch.Tensor,
     ) -> torch.Tensor:
-        """Decodes (one new token) take the recurrent step, longer chunks the chunked form."""
-        bounds = batch.query_start_loc_cpu
+        """Decodes (one new token) take the recurrent step, longer chunks the chunked form (``bounds``:
+        host cu_seqlens of the packed rows, ``state_slots`` [B] their sequences' slots)."""
         lengths = [bounds[i + 1] - bounds[i] for i in range(len(bounds) - 1)]
         out = torch.empty_like(v)
         groups = (
@@ -184,7 +205,7 @@ class GatedDeltaNet(nn.Module):
             cu_seqlens = [0]
             for i in seqs:
                 cu_seqlens.append(cu_seqlens[-1] + lengths[i])
-            slots = batch.state_slots[torch.tensor(seqs, device=batch.state_slots.device)]
+            slots = state_slots[torch.tensor(seqs, device=state_slots.device)]
             o, final = rule(
                 q[tokens], k[tokens], v[tokens], g[tokens], beta[tokens], cu_seqlens,
                 initial_state=ssm_states[slots],

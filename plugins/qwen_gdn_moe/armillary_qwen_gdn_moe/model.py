@@ -24,6 +24,8 @@ class QwenHybridForCausalLM(CausalLM):
     """Built as ``cls(hf_config)`` under ``torch.device(device)``, the model's default dtype, and the
     build contexts ``use_parallel`` / ``use_quant_config`` that the shared layers read."""
 
+    snapshots_inside_chunks = True  # GatedDeltaNet saves prefix-cache checkpoints part-way through a chunk
+
     @classmethod
     @abstractmethod
     def parse(cls, hf_config: HFConfig) -> QwenHybridConfig:
