@@ -101,7 +101,8 @@ class GatedDeltaNet(nn.Module):
         )
         snaps = batch.state_snapshots
         if snaps:  # the windows before this step: the conv overwrites the slots
-            conv_before = conv_states[batch.state_slots[torch.tensor([s[0] for s in snaps], device=x.device)]]
+            split = split_chunks(batch.query_start_loc_cpu, snaps, x.device)
+            conv_before = conv_states[batch.state_slots[split.snap_seqs]]
             conv_inputs = mixed_qkv
         mixed_qkv = ops.causal_conv1d(mixed_qkv, self.conv1d.weight[:, 0], None, conv_states, batch.state_slots,
                                       batch, activation=self.activation)  # [T, conv_dim]
@@ -117,24 +118,20 @@ class GatedDeltaNet(nn.Module):
             beta = torch.sigmoid(b)
             g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())  # [T, HV] log decay
 
-        def rule(rows: torch.Tensor | None, cu: list[int], slots: torch.Tensor) -> torch.Tensor:
+        def rule(rows: torch.Tensor | None, cu: list[int], cu_dev: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
             """The delta rule over ``rows`` of the step (None: all) from and into ``slots``: [rows, HV, V]."""
             qr, kr, vr, gr, br = (t if rows is None else t.index_select(0, rows) for t in (q, k, v, g, beta))
             if fast:
                 from armillary_qwen_gdn_moe.ops.gated_delta_rule.chunk import chunk_gated_delta_rule_slots
 
-                cu_dev = batch.query_start_loc if rows is None else torch.tensor(cu, dtype=torch.int32,
-                                                                                   device=x.device)
                 return chunk_gated_delta_rule_slots(qr, kr, vr, gr, br, cu_dev, ssm_states, slots, cu_seqlens_cpu=cu)
             return self._delta_rule(qr, kr, vr, gr, br, cu, slots, ssm_states)
 
         if snaps:  # checkpoints inside the chunk: two passes, the state saved between them
-            split = split_chunks(batch.query_start_loc_cpu, snaps)
-            rows = torch.tensor(split.snap_rows, dtype=torch.long, device=x.device)
-            conv_states[rows] = conv_windows(conv_before, conv_inputs, batch.query_start_loc_cpu, snaps)
+            conv_states[split.snap_rows] = conv_windows(conv_before, conv_inputs, batch.query_start_loc_cpu, snaps)
             core = two_pass(rule, split, num_tokens, batch.state_slots, ssm_states, v)
         else:
-            core = rule(None, batch.query_start_loc_cpu, batch.state_slots)  # [T, HV, V]
+            core = rule(None, batch.query_start_loc_cpu, batch.query_start_loc, batch.state_slots)  # [T, HV, V]
         core = self.norm(core, z.reshape(num_tokens, self.num_v_heads, self.head_v_dim))
         return self.out_proj(core.reshape(num_tokens, self.value_dim))
 

@@ -9,6 +9,7 @@ on the snapshot equals a miss. The conv window at the checkpoint is the chunk's 
 """
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -17,19 +18,35 @@ import torch
 
 @dataclass(frozen=True, slots=True)
 class SplitChunks:
-    """The two passes over a step's packed tokens: rows (into the step's [T] tokens) and cu_seqlens."""
+    """The two passes over a step's packed tokens, as device index tensors (built once per step)."""
 
-    first_rows: list[int]  # every sequence up to its checkpoint, or whole
+    first_rows: torch.Tensor  # [T1] every sequence up to its checkpoint, or whole
     first_cu: list[int]
-    second_rows: list[int]  # the sequences with a checkpoint, from it to their chunk's end
+    first_cu_dev: torch.Tensor  # [B + 1] int32
+    second_rows: torch.Tensor  # [T2] the sequences with a checkpoint, from it to their chunk's end
     second_cu: list[int]
-    second_seqs: list[int]  # their batch indices
-    snap_seqs: list[int]  # batch index of each snapshot, in ``state_snapshots`` order
-    snap_rows: list[int]
+    second_cu_dev: torch.Tensor
+    second_seqs: torch.Tensor  # [B2] their batch indices
+    snap_seqs: torch.Tensor  # [S] batch index of each snapshot, in ``state_snapshots`` order
+    snap_rows: torch.Tensor  # [S] its snapshot row
 
 
-def split_chunks(bounds: list[int], snapshots: list[tuple[int, int, int]]) -> SplitChunks:
-    """``bounds``: the step's host cu_seqlens [B + 1]; ``snapshots``: (b, n, row) with 0 < n < length of b."""
+_SPLITS: OrderedDict[tuple, SplitChunks] = OrderedDict()  # every GDN layer of a step asks for the same split
+_SPLITS_KEPT = 8
+
+
+def _on(device: torch.device, values: list[int], dtype: torch.dtype = torch.long) -> torch.Tensor:
+    """A host list on ``device``; through pinned memory on CUDA, so the copy does not wait for the stream."""
+    host = torch.tensor(values, dtype=dtype)
+    return host.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else host.to(device)
+
+
+def split_chunks(bounds: list[int], snapshots: list[tuple[int, int, int]], device: torch.device) -> SplitChunks:
+    """``bounds``: the step's host cu_seqlens [B + 1]; ``snapshots``: (b, n, row) with 0 < n <= length of b."""
+    key = (tuple(bounds), tuple(snapshots), device)
+    hit = _SPLITS.get(key)
+    if hit is not None:
+        return hit
     cut = {b: n for b, n, _ in snapshots}
     first_rows, first_cu, second_rows, second_cu, second_seqs = [], [0], [], [0], []
     for b in range(len(bounds) - 1):
@@ -43,8 +60,13 @@ def split_chunks(bounds: list[int], snapshots: list[tuple[int, int, int]]) -> Sp
             second_rows.extend(range(mid, hi))
             second_cu.append(len(second_rows))
             second_seqs.append(b)
-    return SplitChunks(first_rows, first_cu, second_rows, second_cu, second_seqs,
-                       [b for b, _, _ in snapshots], [r for _, _, r in snapshots])
+    split = SplitChunks(_on(device, first_rows), first_cu, _on(device, first_cu, torch.int32), _on(device, second_rows),
+                        second_cu, _on(device, second_cu, torch.int32), _on(device, second_seqs),
+                        _on(device, [b for b, _, _ in snapshots]), _on(device, [r for _, _, r in snapshots]))
+    _SPLITS[key] = split
+    if len(_SPLITS) > _SPLITS_KEPT:
+        _SPLITS.popitem(last=False)
+    return split
 
 
 def conv_windows(before: torch.Tensor, inputs: torch.Tensor, bounds: list[int],
@@ -60,22 +82,18 @@ def conv_windows(before: torch.Tensor, inputs: torch.Tensor, bounds: list[int],
     return torch.stack(out)
 
 
-Rule = Callable[[torch.Tensor, list[int], torch.Tensor], torch.Tensor]
+Rule = Callable[[torch.Tensor, list[int], torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 def two_pass(rule: Rule, split: SplitChunks, num_tokens: int, state_slots: torch.Tensor,
              ssm_states: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """``rule(rows, cu_seqlens, slots)`` runs the delta rule over those rows of the step from and into
-    ``slots``' states and returns their outputs; -> outputs of all ``num_tokens`` rows (``like``'s trailing
-    shape and dtype), each snapshot row holding its sequence's state at its checkpoint."""
-    dev = state_slots.device
+    """``rule(rows, cu_seqlens, cu_seqlens on the device, slots)`` runs the delta rule over those rows of the
+    step from and into ``slots``' states and returns their outputs; -> outputs of all ``num_tokens`` rows
+    (``like``'s trailing shape and dtype), each snapshot row holding its sequence's state at its checkpoint."""
     out = torch.empty((num_tokens, *like.shape[1:]), dtype=like.dtype, device=like.device)
-    first = torch.tensor(split.first_rows, dtype=torch.long, device=dev)
-    out[first] = rule(first, split.first_cu, state_slots)
-    src = state_slots[torch.tensor(split.snap_seqs, dtype=torch.long, device=dev)]
-    ssm_states[torch.tensor(split.snap_rows, dtype=torch.long, device=dev)] = ssm_states[src]
-    if split.second_rows:
-        second = torch.tensor(split.second_rows, dtype=torch.long, device=dev)
-        slots = state_slots[torch.tensor(split.second_seqs, dtype=torch.long, device=dev)]
-        out[second] = rule(second, split.second_cu, slots)
+    out[split.first_rows] = rule(split.first_rows, split.first_cu, split.first_cu_dev, state_slots)
+    ssm_states[split.snap_rows] = ssm_states[state_slots[split.snap_seqs]]
+    if split.second_rows.numel():
+        out[split.second_rows] = rule(split.second_rows, split.second_cu, split.second_cu_dev,
+                                      state_slots[split.second_seqs])
     return out
