@@ -44,6 +44,7 @@ from armillary.testing.drive import (
     StepHarness,
     cpu_engine,
     greedy_params,
+    paged_batch,
     plugin_registry,
     run_staggered,
 )
@@ -60,6 +61,6 @@ from armillary.testing.reference import (
 __all__ = [
     "LogitsRecorder", "Reference", "StepHarness", "assert_batched_greedy", "assert_greedy_matches",
     "assert_logits_close", "assert_stepwise_greedy", "cpu_engine", "greedy_params", "greedy_reference", "hf_greedy",
-    "lazy_references", "max_relative_error", "plugin_registry", "read_checkpoint", "run_staggered",
+    "lazy_references", "max_relative_error", "paged_batch", "plugin_registry", "read_checkpoint", "run_staggered",
     "swap_expert_layout", "write_checkpoint",
 ]

@@ -8,6 +8,7 @@ import torch
 
 from armillary.config import EngineConfig
 from armillary.engine import LLMEngine
+from armillary.forward_batch import ForwardBatch, LayerCache
 from armillary.registry import PluginRegistry
 from armillary.sampling_params import SamplingParams
 from armillary.sequence import Sequence
@@ -119,3 +120,25 @@ def run_staggered(engine: LLMEngine, prompts: list[list[int]], params: SamplingP
                 done[out.request_id] = out.outputs[0].token_ids
         step += 1
     return [done[f"r{i}"] for i in range(len(prompts))]
+
+
+def paged_batch(caches: list[LayerCache | None], rows: list[tuple[list[int], list[int], list[int], int]],
+                block_size: int) -> ForwardBatch:
+    """A ForwardBatch over paged caches (a layer's or a draft head's own test, no engine): ``rows`` per
+    sequence (its new token ids, their positions, its block table, the tokens cached before them)."""
+    ids = [t for r in rows for t in r[0]]
+    pos = [p for r in rows for p in r[1]]
+    width = max(len(r[2]) for r in rows)
+    tables = torch.tensor([r[2] + [0] * (width - len(r[2])) for r in rows], dtype=torch.int32)
+    slots = [r[2][p // block_size] * block_size + p % block_size for r in rows for p in r[1]]
+    qsl = [0]
+    for r in rows:
+        qsl.append(qsl[-1] + len(r[0]))
+    ctx = [r[3] for r in rows]
+    seq_lens = [c + len(r[0]) for c, r in zip(ctx, rows)]
+    return ForwardBatch(
+        input_ids=torch.tensor(ids), positions=torch.tensor(pos), query_start_loc=torch.tensor(qsl, dtype=torch.int32),
+        context_lens=torch.tensor(ctx, dtype=torch.int32), seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        slot_mapping=torch.tensor(slots), block_tables=tables, state_slots=torch.zeros(len(rows), dtype=torch.long),
+        logits_indices=torch.tensor(qsl[1:]) - 1, caches=caches, query_start_loc_cpu=qsl, context_lens_cpu=ctx,
+        seq_lens_cpu=seq_lens, is_decode_only=all(len(r[0]) == 1 for r in rows), max_seq_len=max(seq_lens))

@@ -17,6 +17,7 @@ from safetensors.torch import load_file, save_file
 
 from armillary.cache_spec import LatentAttention
 from armillary.forward_batch import ForwardBatch, LatentCache
+from armillary.testing import paged_batch
 from plugins.glm_flash.tests.harness import Harness
 from plugins.glm_flash.tests.hf_models import CASES, VOCAB
 
@@ -53,24 +54,9 @@ def mtp_checkpoint(tmp_path_factory):
     return directory, hf, {k: v for k, v in extra.items() if k in MTP_ONLY[:4]}
 
 
-def draft_batch(cache: LatentCache, rows: list[tuple[list[int], list[int], list[int], int]]) -> ForwardBatch:
+def draft_batch(cache, rows: list[tuple[list[int], list[int], list[int], int]]) -> ForwardBatch:
     """rows: per sequence (new token ids, their positions, block table, cached tokens before them)."""
-    ids = [t for r in rows for t in r[0]]
-    pos = [p for r in rows for p in r[1]]
-    width = max(len(r[2]) for r in rows)
-    tables = torch.tensor([r[2] + [0] * (width - len(r[2])) for r in rows], dtype=torch.int32)
-    slots = [r[2][p // BLOCK] * BLOCK + p % BLOCK for r in rows for p in r[1]]
-    qsl = [0]
-    for r in rows:
-        qsl.append(qsl[-1] + len(r[0]))
-    ctx = [r[3] for r in rows]
-    seq_lens = [c + len(r[0]) for c, r in zip(ctx, rows)]
-    return ForwardBatch(
-        input_ids=torch.tensor(ids), positions=torch.tensor(pos), query_start_loc=torch.tensor(qsl, dtype=torch.int32),
-        context_lens=torch.tensor(ctx, dtype=torch.int32), seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
-        slot_mapping=torch.tensor(slots), block_tables=tables, state_slots=torch.zeros(len(rows), dtype=torch.long),
-        logits_indices=torch.tensor(qsl[1:]) - 1, caches=[cache], query_start_loc_cpu=qsl, context_lens_cpu=ctx,
-        seq_lens_cpu=seq_lens, is_decode_only=all(len(r[0]) == 1 for r in rows), max_seq_len=max(seq_lens))
+    return paged_batch([cache], rows, BLOCK)
 
 
 @torch.no_grad()

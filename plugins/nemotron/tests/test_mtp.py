@@ -13,7 +13,7 @@ from armillary.cache_spec import FullAttention
 from armillary.errors import WeightLoadError
 from armillary.forward_batch import ForwardBatch, KVCache
 from armillary.hf_config import HFConfig
-from armillary.testing import cpu_engine, read_checkpoint
+from armillary.testing import cpu_engine, paged_batch, read_checkpoint
 from armillary_nemotron.config import ATTENTION, MAMBA, MLP, MOE, NemotronHArgs
 from armillary_nemotron.model import NemotronHForCausalLM
 from plugins.nemotron.tests.hf_models import CASES_BY_NAME, VOCAB, nemotron_registry
@@ -82,25 +82,9 @@ def test_without_mtp_config_the_tensors_are_skipped(mtp, tmp_path, caplog):
         engine.model.draft_forward(None, torch.zeros(1, 64))
 
 
-def _draft_batch(cache: KVCache, rows: list[tuple[list[int], list[int], list[int], int]]) -> ForwardBatch:
-    """rows: per sequence (token ids after each position, the positions, block table, tokens cached before)."""
-    ids = [t for r in rows for t in r[0]]
-    pos = [p for r in rows for p in r[1]]
-    width = max(len(r[2]) for r in rows)
-    tables = torch.tensor([r[2] + [0] * (width - len(r[2])) for r in rows], dtype=torch.int32)
-    slots = [r[2][p // BLOCK] * BLOCK + p % BLOCK for r in rows for p in r[1]]
-    qsl = [0]
-    for r in rows:
-        qsl.append(qsl[-1] + len(r[0]))
-    ctx = [r[3] for r in rows]
-    seq_lens = [c + len(r[0]) for c, r in zip(ctx, rows)]
-    return ForwardBatch(
-        input_ids=torch.tensor(ids), positions=torch.tensor(pos), query_start_loc=torch.tensor(qsl, dtype=torch.int32),
-        context_lens=torch.tensor(ctx, dtype=torch.int32), seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
-        slot_mapping=torch.tensor(slots), block_tables=tables, state_slots=torch.zeros(len(rows), dtype=torch.long),
-        logits_indices=torch.tensor(qsl[1:]) - 1, caches=[cache, None], query_start_loc_cpu=qsl,
-        context_lens_cpu=ctx, seq_lens_cpu=seq_lens, is_decode_only=all(len(r[0]) == 1 for r in rows),
-        max_seq_len=max(seq_lens))
+def _draft_batch(cache, rows: list[tuple[list[int], list[int], list[int], int]]) -> ForwardBatch:
+    """rows: per sequence (new token ids, their positions, block table, cached tokens before them)."""
+    return paged_batch([cache, None], rows, BLOCK)
 
 
 @torch.no_grad()

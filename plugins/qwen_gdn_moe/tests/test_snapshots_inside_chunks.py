@@ -40,7 +40,6 @@ def test_snapshot_inside_a_chunk_equals_the_chunk_ended_there(model_dir, backend
         prompt = _prompt(37)
         # a decode-shaped sequence in the same step (its own slot) when ``decodes``: the split keeps it whole
         other = Sequence("o", 0, _prompt(9, seed=6), GREEDY)
-        first = []
         if decodes:
             assert cache.allocate(other, len(other))
             engine.worker.launch(StepPlan([ScheduledChunk(other, 0, 8, sample=False)],
@@ -58,7 +57,7 @@ def test_snapshot_inside_a_chunk_equals_the_chunk_ended_there(model_dir, backend
                                              zero_slots=cache.take_fresh_slots()))
         step.wait()
         logits_a = step.logits[0].clone()
-        first.append(rows[row_a].clone())
+        saved_a = rows[row_a].clone()
 
         # B: the chunk ended at the checkpoint (the slot copied to the row after that step), then the rest
         b = Sequence("b", 0, prompt, GREEDY)
@@ -69,7 +68,7 @@ def test_snapshot_inside_a_chunk_equals_the_chunk_ended_there(model_dir, backend
         step = engine.worker.launch(StepPlan([ScheduledChunk(b, cut, len(prompt) - cut, sample=True)]))
         step.wait()
         # every layer's conv window and state; fp32 rounding apart (the steps' GEMMs see other row counts)
-        snap_a, snap_b, end = (t.view(torch.float32) for t in (first[0], rows[row_b], rows[a.state_slot]))
+        snap_a, snap_b, end = (t.view(torch.float32) for t in (saved_a, rows[row_b], rows[a.state_slot]))
         torch.testing.assert_close(snap_a, snap_b, rtol=1e-5, atol=1e-5)
         assert (snap_a - end).abs().max() > 1e-2  # the checkpoint's state, not the chunk end's
         torch.testing.assert_close(step.logits[0], logits_a, rtol=1e-5, atol=1e-5)
@@ -114,10 +113,14 @@ def test_the_scheduler_keeps_the_chunk_whole_and_the_hit_equals_a_miss(model_dir
     shared = _prompt(35, seed=1)
     eng = engine(True)
     assert eng.scheduler.snapshots_inside_chunks
-    first, plans = run(eng, shared + _prompt(9, seed=2))
+    _, plans = run(eng, shared + _prompt(9, seed=2))
     prefill = [c for p in plans for c in p.chunks if c.num_tokens > 1]
     assert [(c.start, c.num_tokens) for c in prefill] == [(0, 44)]
     assert prefill[0].snapshot is not None and prefill[0].snapshot[0] == 32
+    cut = engine(True)
+    cut.scheduler.snapshots_inside_chunks = False  # a model that cannot: the chunk ends at the checkpoint
+    _, plans = run(cut, shared + _prompt(9, seed=2))
+    assert [(c.start, c.num_tokens) for p in plans for c in p.chunks if c.num_tokens > 1] == [(0, 32), (32, 12)]
     other = shared + _prompt(7, seed=3)
     got, _ = run(eng, other)
     assert got.num_cached_tokens == 32
