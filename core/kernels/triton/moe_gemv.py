@@ -24,6 +24,7 @@ import triton
 import triton.language as tl
 
 from armillary.kernels.triton.moe_decode import _activation
+from armillary.kernels.triton.pdl import pdl_available, pdl_override
 
 try:  # programmatic dependent launch (Triton >= 3.3); only traced when a config asks for it
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
@@ -194,8 +195,10 @@ def moe_gemv_down_kernel(
 
 
 def _pdl(cfg: dict, device: torch.device) -> bool:
-    """Programmatic dependent launch: asked for, available, and on a GPU (the interpreter has no grids to chain)."""
-    return bool(cfg.get("pdl")) and gdc_wait is not None and device.type == "cuda"
+    """Programmatic dependent launch: asked for (by its table row, unless ``ARMILLARY_PDL`` overrides) and
+    available (the interpreter has no grids to chain)."""
+    forced = pdl_override()
+    return bool(cfg.get("pdl") if forced is None else forced) and pdl_available(device)
 
 
 def gemv_up(x: torch.Tensor, w13: torch.Tensor, ids: torch.Tensor, h: torch.Tensor, gated: bool, activation: int,

@@ -4,7 +4,9 @@ it is still running, and must ``gdc_wait`` before reading anything that kernel (
 Decode steps are chains of ~350 small kernels; overlapping each launch with its predecessor's tail
 hides most of the per-launch latency inside the CUDA graph. Kernels opt in with a ``PDL`` constexpr:
 ``pdl_prologue`` at their top (let the next kernel launch early, then wait for the previous one),
-and their wrappers pass ``**launch_options(device)``. ``ARMILLARY_PDL=0`` turns it off.
+and their wrappers pass ``**launch_options(device)``. Whether it pays depends on the model's kernel chain
+(Qwen3.6 decode gains 1%, Gemma 4 loses 7%), so the tuning tables decide (``"pdl": {"default": {"enabled":
+false}}`` in a plugin's table turns it off for that model); ``ARMILLARY_PDL=0`` / ``=1`` overrides them.
 """
 from __future__ import annotations
 
@@ -14,6 +16,8 @@ from functools import lru_cache
 import torch
 import triton
 import triton.language as tl
+
+from armillary.kernels.tuning import kernel_config
 
 try:  # Triton >= 3.3
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
@@ -26,11 +30,29 @@ def _supported(index: int) -> bool:
     return torch.cuda.get_device_capability(index)[0] >= 9
 
 
-def pdl_enabled(device: torch.device) -> bool:
-    """On a CUDA device of compute capability 9+, with a Triton that has the intrinsics, unless disabled."""
-    if device.type != "cuda" or gdc_wait is None or os.environ.get("ARMILLARY_PDL", "1") == "0":
+def pdl_override() -> bool | None:
+    """``ARMILLARY_PDL``: "0" forces PDL off, "1" on (where the GPU has it); unset, the tables decide."""
+    value = os.environ.get("ARMILLARY_PDL", "")
+    if value not in ("", "0", "1"):
+        raise ValueError(f"ARMILLARY_PDL must be 0 or 1, not {value!r}")
+    return None if value == "" else value == "1"
+
+
+def pdl_available(device: torch.device) -> bool:
+    """A CUDA device of compute capability 9+ and a Triton that has the intrinsics."""
+    if device.type != "cuda" or gdc_wait is None:
         return False
     return _supported(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def pdl_enabled(device: torch.device) -> bool:
+    """Available, and asked for by ``ARMILLARY_PDL`` or else the tables' ``pdl`` entry (default on)."""
+    if not pdl_available(device):
+        return False
+    forced = pdl_override()
+    if forced is not None:
+        return forced
+    return bool(kernel_config("armillary.kernels", "pdl", "default", {"enabled": True}, device)["enabled"])
 
 
 def launch_options(device: torch.device) -> dict:
