@@ -22,19 +22,51 @@ def gpu_like(monkeypatch):
 DEV = torch.device("cuda", 0)  # never touched: availability and tables are patched
 
 
-def test_on_by_default_and_off_where_the_models_table_says(gpu_like):
+@pytest.fixture
+def serving(monkeypatch):
+    """Serve an architecture as ``ops.install`` would set it, restored afterwards."""
+    def serve(name: str | None) -> None:
+        tuning.use_architecture(name)
+    monkeypatch.setattr(tuning, "_architecture", tuning.active_architecture())
+    return serve
+
+
+def test_on_by_default_and_off_for_the_architecture_its_table_names(gpu_like, serving):
     assert pdl.pdl_enabled(DEV)
     assert pdl.launch_options(DEV) == {"PDL": True, "launch_pdl": True}
-    gpu_like[("armillary_gemma", "sm_90")] = {"pdl": {"default": {"enabled": False}}}
-    assert pdl.pdl_enabled(DEV)  # another model's table: not in the overlay
+    gpu_like[("armillary_gemma", "sm_90")] = {"pdl": {"gemma4": {"enabled": False}}}
+    serving("gemma4")
+    assert pdl.pdl_enabled(DEV)  # another plugin's table: not in the overlay
     with tuning.overlay("armillary_gemma"):
         assert not pdl.pdl_enabled(DEV)
         assert pdl.launch_options(DEV) == {"PDL": False}
+        serving("gemma3")  # the same plugin's other model keeps it
+        assert pdl.pdl_enabled(DEV)
+        gpu_like[("armillary_gemma", "sm_90")] = {"pdl": {"default": {"enabled": False}}}
+        tuning._CONFIGS.clear()  # the memo keys the patched loader, not the dict it reads
+        assert not pdl.pdl_enabled(DEV)  # "default": every model of the plugin
+
+
+def test_ops_install_sets_the_architecture(serving):
+    from armillary.kernels import ops
+    from armillary.kernels.dispatch import resolve_dispatch, core_registry
+
+    saved = ops._installed
+    try:
+        ops.install(resolve_dispatch(core_registry(), None, torch.device("cpu")))
+        assert tuning.active_architecture() is None
+        table = resolve_dispatch(core_registry(), None, torch.device("cpu"))
+        table.arch_name = "gemma4"
+        ops.install(table)
+        assert tuning.active_architecture() == "gemma4"
+    finally:
+        ops.install(saved)
 
 
 @pytest.mark.parametrize("value, expected", [("0", False), ("1", True)])
 def test_the_environment_overrides_the_tables(gpu_like, monkeypatch, value, expected):
     gpu_like[("armillary_gemma", "sm_90")] = {"pdl": {"default": {"enabled": not expected}}}
+    tuning._CONFIGS.clear()
     monkeypatch.setenv("ARMILLARY_PDL", value)
     with tuning.overlay("armillary_gemma"):
         assert pdl.pdl_enabled(DEV) is expected

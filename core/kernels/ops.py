@@ -27,6 +27,7 @@ def install(table: DispatchTable | None) -> None:
     global _installed
     _installed = table
     tuning.use_packages(table.tuning_packages if table is not None else ())
+    tuning.use_architecture(table.arch_name if table is not None else None)
 
 
 def set_backend(name: str) -> None:

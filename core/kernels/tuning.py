@@ -23,6 +23,7 @@ from importlib import resources
 import torch
 
 _overlay: tuple[str, ...] = ()  # packages whose tables lie over the kernel's own, lowest first
+_architecture: str | None = None  # the served architecture's registry name: a key for per-model entries
 
 
 def use_packages(packages: tuple[str, ...] | list[str]) -> None:
@@ -33,6 +34,16 @@ def use_packages(packages: tuple[str, ...] | list[str]) -> None:
 
 def active_packages() -> tuple[str, ...]:
     return _overlay
+
+
+def use_architecture(name: str | None) -> None:
+    """Set the served architecture (``ops.install`` does): entries keyed per model, such as ``pdl``, use it."""
+    global _architecture
+    _architecture = name
+
+
+def active_architecture() -> str | None:
+    return _architecture
 
 
 @contextmanager

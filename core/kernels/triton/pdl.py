@@ -5,8 +5,9 @@ Decode steps are chains of ~350 small kernels; overlapping each launch with its 
 hides most of the per-launch latency inside the CUDA graph. Kernels opt in with a ``PDL`` constexpr:
 ``pdl_prologue`` at their top (let the next kernel launch early, then wait for the previous one),
 and their wrappers pass ``**launch_options(device)``. Whether it pays depends on the model's kernel chain
-(Qwen3.6 decode gains 1%, Gemma 4 loses 7%), so the tuning tables decide (``"pdl": {"default": {"enabled":
-false}}`` in a plugin's table turns it off for that model); ``ARMILLARY_PDL=0`` / ``=1`` overrides them.
+(GLM-4.7-Flash decode gains 5%, Gemma 4 loses 7%), so the tuning tables decide per served architecture
+(``"pdl": {"gemma4": {"enabled": false}}`` in a plugin's table, keyed by the registry name, or ``"default"``
+for all its models); ``ARMILLARY_PDL=0`` / ``=1`` overrides them.
 """
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from armillary.kernels.tuning import kernel_config
+from armillary.kernels.tuning import active_architecture, kernel_config
 
 try:  # Triton >= 3.3
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
@@ -52,7 +53,8 @@ def pdl_enabled(device: torch.device) -> bool:
     forced = pdl_override()
     if forced is not None:
         return forced
-    return bool(kernel_config("armillary.kernels", "pdl", "default", {"enabled": True}, device)["enabled"])
+    key = active_architecture() or "default"
+    return bool(kernel_config("armillary.kernels", "pdl", key, {"enabled": True}, device)["enabled"])
 
 
 def launch_options(device: torch.device) -> dict:
