@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from hf_baseline import transformers_baseline, without  # the same transformers comparison in every bench
+from hf_baseline import transformers_baseline, transformers_in_child, without  # the same transformers comparison in every bench
 from qwen_bench import copy_bandwidth, sync  # the same measurement in every driver
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "plugins" / "gemma"))  # when not pip-installed
@@ -183,16 +183,7 @@ def bench_model(name: str, cfg: dict, args, bw: float) -> dict:
     out: dict = {"model": name, "target": TARGETS[name]}
     hf = None
     if not args.skip_hf:
-        try:  # in a child process: its memory is all back before armillary starts
-            import multiprocessing
-
-            with multiprocessing.get_context("spawn").Pool(1) as pool:
-                hf = pool.apply(hf_bench, (cfg, dev, p1k, 32 // (4 if args.tiny else 1), p16k))
-        except Exception as e:  # noqa: BLE001 - the comparison is optional: armillary's figures still come
-            print(f"{name} transformers comparison FAILED: {describe(e)}")
-            gc.collect()
-            if dev == "cuda":
-                torch.cuda.empty_cache()
+        hf = transformers_in_child(hf_bench, cfg, dev, p1k, 32 // (4 if args.tiny else 1), p16k)
     with tempfile.TemporaryDirectory() as d:
         Path(d, "config.json").write_text(json.dumps(cfg))
         max_len = (p32k if name == "gemma3" else p16k) + 512

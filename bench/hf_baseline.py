@@ -7,7 +7,10 @@ explicit mask); the figures are named ``decode_b{batch}`` and ``prefill`` (token
 from __future__ import annotations
 
 import gc
+import multiprocessing
+import os
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -16,6 +19,23 @@ import torch
 def _sync(device: str) -> None:
     if device == "cuda":
         torch.cuda.synchronize()
+
+
+def _child_allocator() -> None:
+    # transformers' torch Mamba-2 scan frees and reallocates ~32 GiB blocks at 16K: fragments without this
+    os.environ["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
+
+
+def transformers_in_child(bench: Callable[..., dict], *args: Any) -> dict | None:
+    """``bench(*args)`` (a driver's module-level ``hf_bench``) in a spawned process, so all its memory is
+    back before armillary starts; None (and a FAILED line) if it fails: armillary's figures still come."""
+    try:
+        with multiprocessing.get_context("spawn").Pool(1, initializer=_child_allocator) as pool:
+            return pool.apply(bench, args)
+    except Exception as e:  # noqa: BLE001 - the comparison is optional
+        print(f"transformers comparison FAILED: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}",
+              flush=True)
+        return None
 
 
 def without(cfg_dict: dict, *keys: str) -> dict:
@@ -56,8 +76,6 @@ def transformers_baseline(model_cls: Any, config: Any, device: str, prompt_len: 
         if verbose:
             print(f"transformers decode batch {b}: {res[f'decode_b{b}']:.1f} tok/s", flush=True)
     ids = torch.randint(10, vocab, (1, prefill_len), device=device)
-    if device == "cuda":  # generate's freed caches: Nemotron-H's 16K chunk scan wants one 32.5 GiB block
-        torch.cuda.empty_cache()
     with torch.no_grad():
         model(ids[:, :256])
         _sync(device)

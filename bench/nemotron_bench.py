@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from hf_baseline import transformers_baseline, without  # the same transformers comparison in every bench
+from hf_baseline import transformers_baseline, transformers_in_child, without  # the same transformers comparison in every bench
 from qwen_bench import Ours as QwenOurs, copy_bandwidth  # the same measurement and driver in every bench
 
 NANO_PATTERN = "MEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEMEM*EMEMEMEME"
@@ -105,7 +105,7 @@ def main() -> None:
     bw = copy_bandwidth(dev)
     rows = [("copy bandwidth (GB/s)", f"{bw / 1e9:.0f}", "", "")]
     figures: dict[str, float] = {"copy_bandwidth_gb_s": bw / 1e9}
-    hf = None if args.skip_hf else hf_bench(cfg, dev, p1k, 32 // (4 if args.tiny else 1), p16k)
+    hf = None if args.skip_hf else transformers_in_child(hf_bench, cfg, dev, p1k, 32 // (4 if args.tiny else 1), p16k)
     with tempfile.TemporaryDirectory() as d:
         Path(d, "config.json").write_text(json.dumps(cfg))
         ours = Ours(Path(d), dev, max_len=p16k + 512, max_seqs=64, eager=args.eager)

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from hf_baseline import transformers_baseline, without  # the same transformers comparison in every bench
+from hf_baseline import transformers_baseline, transformers_in_child, without  # the same transformers comparison in every bench
 
 
 def real_config(tiny: bool) -> dict:
@@ -155,7 +155,7 @@ def main() -> None:
     p1k, new, p2k, p16k = 1024 // scale, 256 // scale, 2048 // scale, 16384 // scale
     bw = copy_bandwidth(dev)
     rows = [("copy bandwidth (GB/s)", f"{bw / 1e9:.0f}", "", "")]
-    hf = None if args.skip_hf else hf_bench(cfg, dev, p1k, 32 // (4 if args.tiny else 1), p16k)
+    hf = None if args.skip_hf else transformers_in_child(hf_bench, cfg, dev, p1k, 32 // (4 if args.tiny else 1), p16k)
     with tempfile.TemporaryDirectory() as d:
         Path(d, "config.json").write_text(json.dumps(cfg))
         ours = Ours(Path(d), dev, max_len=p16k + 512, max_seqs=64, eager=args.eager)
