@@ -1,8 +1,9 @@
 """The plugin's sm_90 tables send batch-1..8 decode to the GEMV MoE kernels and the skinny GEMM.
 
 Table level (real sizes): every ``ops.linear`` shape of the Gemma-4-26B-A4B and Gemma-3-27B bench
-configs (read off the models built on the meta device, bench/decode_shapes.py) has an entry; the
-"auto" backend takes the skinny GEMM at M = 1..8 for every projection (the tied vocab heads, and
+configs (read off the models built on the meta device, bench/decode_shapes.py) that the H200 sweep
+measured has an entry (Gemma 3's shapes, not yet swept, have none: cuBLAS); the "auto" backend takes
+the skinny GEMM at M = 1 for every Gemma 4 projection (the tied vocab heads, and
 the router at M = 1 as Qwen's measured, stay on cuBLAS until measured), the GEMV MoE path covers
 T = 1..8, and no entry names a shape neither model asks for. Model level (tiny Gemma 4 MoE,
 interpreter): with the sm_90 tables read on the CPU, a greedy run equals transformers while its
@@ -38,11 +39,14 @@ def test_real_shapes_have_entries(sm90_tables):
         picks = decode_shapes.table_decisions(model)
         assert picks["heads"] == {head}
         for (n, k, m), use in picks["linear"].items():  # the H200 sweep decided each (cuBLAS where it was faster)
+            if model == "gemma3":  # not swept yet: cuBLAS, where its b1 decode measured fastest (66.9 tok/s)
+                assert not use, (model, n, k, m)
+                continue
             assert use or m > 1 or (n, k) == head, (model, n, k, m)  # batch 1's projections are ours
             asked.add(tri_sg.config_key(m, n, k))
         gemv = [t for t, use in picks["gemv"].items() if use]
         assert gemv == (list(range(1, len(gemv) + 1)) if model == "gemma4" else []) and len(gemv) >= (4 * (model == "gemma4"))
-    assert picks["keys"] == asked  # the plugin's table: both models' shapes, nothing else
+    assert picks["keys"] == asked  # the plugin's table: Gemma 4's shapes, nothing else
     (moe,) = decode_shapes.moe_shapes("gemma4")
     assert (moe.experts, moe.pairs, moe.inter, moe.activation, moe.gated) == (128, 8, 704, "gelu_pytorch_tanh",
                                                                                True)
