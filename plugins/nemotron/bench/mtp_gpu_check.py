@@ -1,9 +1,10 @@
 """GPU checks of Nemotron-H MTP speculation: the Mamba verify path at Nano's real shape, tiny MTP checkpoints end to end, and Nano-shaped verify cost.
 
-1. ``kernel``: ``mamba_verify`` (the fused decode kernel chained over state rows) against its fp32
-   reference path at Nemotron-3 Nano's Mamba shape (64 heads x 64, state 128, 8 groups, conv 4),
-   K = 1..3, batches 1 / 8 / 33, fp32 and bf16: output and every state row; and its time against
-   one plain fused decode step (the price of the copy-then-step loop over K + 1 positions).
+1. ``kernel``: ``mamba_verify`` (the fused verify kernel, one launch) against K + 1 chained fused
+   decode launches with row copies and against its fp32 reference path at Nemotron-3 Nano's Mamba
+   shape (64 heads x 64, state 128, 8 groups, conv 4), K = 1..3, batches 1 / 8 / 33, fp32 and bf16:
+   output, every state row and window, other rows untouched, tickets reset; then fused vs chained vs
+   one plain decode step, each as 16 layers (own states) in one CUDA graph, and vs its HBM floor.
 2. ``tiny``: the tests' tiny MTP checkpoints through ``LLM(..., speculative=True)``: greedy output
    with K = 1..3 (MTP drafts through the verify CUDA graphs and eagerly, oracle drafts eagerly)
    against speculation off (CUDA graphs), fp32 and bf16.
@@ -15,6 +16,7 @@ One line per figure; ``--out`` writes them, ``$OUT/nemotron_mtp_gpu.json`` gets 
 
     python plugins/nemotron/bench/mtp_gpu_check.py --out mtp_checks.txt          # on the GPU
     python plugins/nemotron/bench/mtp_gpu_check.py --only kernel,tiny             # without the 30B model
+    python plugins/nemotron/bench/mtp_gpu_check.py --only kernel --sweep          # + the verify kernel's configs
     TRITON_INTERPRET=1 python plugins/nemotron/bench/mtp_gpu_check.py --device cpu   # smoke run of the driver
 """
 from __future__ import annotations
@@ -103,41 +105,107 @@ def _time_ms(fn, iters: int = 50) -> float:
     return start.elapsed_time(end) / iters
 
 
+def _kernel_args(mixer, projected: torch.Tensor, spec, conv: torch.Tensor, ssm: torch.Tensor) -> dict:
+    """``mamba_verify_step`` / ``chained_decode_verify`` keywords for the mixer's parameters and these pools."""
+    z, xbc, dt = projected.split([mixer.d_inner, mixer.conv_dim, mixer.heads], dim=-1)
+    return dict(xbc=xbc, z=z, dt=dt, conv_weight=mixer.conv1d.weight[:, 0], conv_bias=mixer.conv1d.bias,
+                conv_states=conv, A_log=mixer.A_log, D=mixer.D, dt_bias=mixer.dt_bias, dt_min=mixer.dt_min,
+                norm_weight=mixer.norm.weight, eps=mixer.norm.eps, ssm_states=ssm, state_slots=spec.state_slots,
+                spec_rows=spec.spec_state_rows, heads=mixer.heads, head_dim=mixer.head_dim)
+
+
+def _graph_us(calls, layers: int) -> float:
+    """µs per layer of ``calls`` (one closure per layer, each on its own states) replayed as one CUDA graph."""
+    import triton
+
+    for fn in calls:  # outside the capture: compiles, sizes the scratch and ticket buffers
+        fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for fn in calls:
+            fn()
+    us = triton.testing.do_bench(graph.replay, warmup=25, rep=200, return_mode="median") * 1e3 / layers
+    del graph
+    return us
+
+
+def _sweep_verify(kw: list[dict], batch: int, k: int, layers: int) -> None:
+    """The fused verify kernel's launch configs (``split_p`` x ``num_warps``) in CUDA graphs: one line each, then the
+    best as a ``mamba_verify`` by_batch table entry (the default is the decode step's entry at this batch)."""
+    from armillary_nemotron.ops.mamba.verify import mamba_verify_step, verify_config
+
+    picked = verify_config(batch, 64, 128, kw[0]["xbc"].device)
+    results = []
+    for split in (0, 8, 16, 32, 64):
+        for warps in (1, 2, 4, 8):
+            cfg = {"split_p": split, "num_warps": warps}
+            us = _graph_us([lambda a=a, c=cfg: mamba_verify_step(**a, config=c) for a in kw], layers)
+            results.append((us, cfg))
+            say(f"sweep bf16 B={batch} K={k} split_p={split} num_warps={warps}: {us:.1f} us/layer")
+    best_us, best = min(results, key=lambda r: r[0])
+    now = next((us for us, cfg in results if cfg == {"split_p": picked["split_p"], "num_warps": picked["num_warps"]}),
+               float("nan"))  # nan: the current pick lies outside the grid
+    say(f"sweep bf16 B={batch} K={k}: best {json.dumps(best)} {best_us:.1f} us/layer vs the current pick "
+        f"{json.dumps({'split_p': picked['split_p'], 'num_warps': picked['num_warps']})} {now:.1f} us/layer; table "
+        f'entry "mamba_verify": {{"p64_n128": {{"by_batch": {{"{batch}": {json.dumps(best)}}}}}}}')
+
+
 @torch.inference_mode()
-def kernel_checks(device: str) -> None:
+def kernel_checks(device: str, layers: int = 16, sweep: bool = False) -> None:
+    from armillary.kernels.triton.device_buffers import ticket_buffer
     from armillary_nemotron.mamba_verify import mamba_verify
     from armillary_nemotron.ops.mamba.decode import mamba_decode_step
+    from armillary_nemotron.ops.mamba.verify import chained_decode_verify, mamba_verify_step
 
     for dtype, tol in ((torch.float32, 1e-4), (torch.bfloat16, 3e-2)):
         mixer = _nano_mixer(dtype, device)
+        # fused vs chained decode launches: the same fp32 math, up to one rounding of a bf16 output
+        chain_tol = 1e-5 if dtype == torch.float32 else 1e-2
         for batch in (1, 8, 33) if device == "cuda" else (3,):
             for k in (1, 2, 3):
                 spec, conv, ssm, projected = _verify_inputs(mixer, batch, k, dtype, seed=batch * 10 + k)
                 c_ref, s_ref, c_got, s_got = conv.clone(), ssm.clone(), conv.clone(), ssm.clone()
+                c_chain, s_chain = conv.clone(), ssm.clone()
                 ref = mamba_verify(mixer, projected, spec, c_ref, s_ref, fast=False)
                 got = mamba_verify(mixer, projected, spec, c_got, s_got, fast=True)
-                errs = (rel(got, ref), rel(s_got, s_ref), rel(c_got, c_ref))
+                chain = chained_decode_verify(**_kernel_args(mixer, projected, spec, c_chain, s_chain))
+                written = torch.cat([spec.spec_state_rows.flatten(), spec.state_slots])
+                vs_chain = (rel(got, chain), rel(s_got[written], s_chain[written]))
+                windows = torch.equal(c_got, c_chain)
+                errs = (rel(got, ref), rel(s_got[written], s_ref[written]), rel(c_got[written], c_ref[written]))
                 untouched = torch.arange(1, 2 * batch, 2, device=device)
                 kept = torch.equal(s_got[untouched], ssm[untouched]) and torch.equal(c_got[untouched], conv[untouched])
-                ok = max(errs) < tol and kept
-                say(f"kernel {str(dtype).removeprefix('torch.')} B={batch} K={k}: y {errs[0]:.1e}, ssm rows "
-                    f"{errs[1]:.1e}, conv rows {errs[2]:.1e}, other rows untouched {kept} -> {'PASS' if ok else 'FAIL'}")
+                tickets = not ticket_buffer(torch.device(device), 0).any().item()
+                ok = max(errs) < tol and vs_chain[0] < chain_tol and vs_chain[1] < 1e-5 and windows and kept and tickets
+                say(f"kernel {str(dtype).removeprefix('torch.')} B={batch} K={k}: fused vs chained decode y "
+                    f"{vs_chain[0]:.1e}, ssm rows {vs_chain[1]:.1e}, conv rows equal {windows}; vs fp32 reference y "
+                    f"{errs[0]:.1e}, ssm rows {errs[1]:.1e}, conv rows {errs[2]:.1e}; other rows untouched {kept}, "
+                    f"tickets reset {tickets} -> {'PASS' if ok else 'FAIL'}")
         if dtype == torch.bfloat16 and device == "cuda":
-            for batch in (1, 8):
-                spec, conv, ssm, projected = _verify_inputs(mixer, batch, 2, dtype, seed=batch)
-                verify = _time_ms(lambda: mamba_verify(mixer, projected, spec, conv, ssm, fast=True))
-                one = projected[:batch]
-                z, xbc, dt = one.split([mixer.d_inner, mixer.conv_dim, mixer.heads], dim=-1)
-                slots = spec.state_slots
-
-                def step():
-                    return mamba_decode_step(xbc, z, dt, mixer.conv1d.weight[:, 0], mixer.conv1d.bias, conv,
-                                             mixer.A_log, mixer.D, mixer.dt_bias, mixer.dt_min, mixer.norm.weight,
-                                             mixer.norm.eps, ssm, slots, mixer.heads, mixer.head_dim)
-
-                plain = _time_ms(step)
-                say(f"time bf16 B={batch}: Mamba verify K=2 {verify * 1e3:.1f} us/layer (eager), one decode step "
-                    f"{plain * 1e3:.1f} us/layer, ratio {verify / plain:.2f} (3 steps + 6 row copies)")
+            for batch, k in ((1, 1), (1, 2), (1, 3), (8, 2), (33, 2)):
+                per_layer = [_verify_inputs(mixer, batch, k, dtype, seed=100 + i) for i in range(layers)]
+                kw = [_kernel_args(mixer, projected, spec, conv, ssm) for spec, conv, ssm, projected in per_layer]
+                fused = _graph_us([lambda a=a: mamba_verify_step(**a) for a in kw], layers)
+                chained = _graph_us([lambda a=a: chained_decode_verify(**a) for a in kw], layers)
+                one = [{**a, "xbc": a["xbc"][::k + 1], "z": a["z"][::k + 1], "dt": a["dt"][::k + 1]} for a in kw]
+                decode = _graph_us([lambda a=a: mamba_decode_step(
+                    a["xbc"], a["z"], a["dt"], a["conv_weight"], a["conv_bias"], a["conv_states"], a["A_log"], a["D"],
+                    a["dt_bias"], a["dt_min"], a["norm_weight"], a["eps"], a["ssm_states"], a["state_slots"],
+                    a["heads"], a["head_dim"]) for a in one], layers)
+                eager = _time_ms(lambda: mamba_verify_step(**kw[0])) * 1e3
+                # HBM floor of the fused step: the slot's fp32 state read once, K + 1 states and windows written
+                state = mixer.heads * mixer.head_dim * mixer.state_size * 4
+                window = mixer.conv_dim * 3 * 2
+                floor = batch * (state + window + (k + 1) * (state + window)) / 4.8e12 * 1e6
+                say(f"time bf16 B={batch} K={k} (CUDA graph, {layers} layers): fused verify {fused:.1f} us/layer, "
+                    f"chained decodes + row copies {chained:.1f}, one decode step {decode:.1f}; fused / decode "
+                    f"{fused / decode:.2f}, chained / fused {chained / fused:.2f}, fused vs HBM floor {floor:.1f} us "
+                    f"({floor / fused:.0%}); fused eager {eager:.1f} us")
+                if sweep and k == 2:
+                    _sweep_verify(kw, batch, k, layers)
+                del per_layer, kw, one
+                torch.cuda.empty_cache()
     if device == "cuda":
         torch.cuda.empty_cache()
 
@@ -226,13 +294,14 @@ def main() -> None:
     ap.add_argument("--only", default="kernel,tiny,nano", help="comma-separated: kernel, tiny, nano")
     ap.add_argument("--device", default="cuda", help="cpu: a smoke run of the driver (tiny shapes, no nano)")
     ap.add_argument("--out")
+    ap.add_argument("--sweep", action="store_true", help="kernel: also sweep the fused verify launch configs (K=2)")
     ap.add_argument("--prompt", type=int, default=1024)
     ap.add_argument("--new", type=int, default=256)
     ap.add_argument("--steps", type=int, default=64)
     args = ap.parse_args()
     parts = set(args.only.split(","))
     if "kernel" in parts:
-        kernel_checks(args.device)
+        kernel_checks(args.device, sweep=args.sweep)
     if "tiny" in parts:
         tiny_checks(args.device)
     if "nano" in parts and args.device == "cuda":

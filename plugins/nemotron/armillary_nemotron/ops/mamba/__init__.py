@@ -1,1 +1,1 @@
-"""Mamba-2 kernels: the SSD chunked scan (prefill), the fused decode step, and their naive references."""
+"""Mamba-2 kernels: the SSD chunked scan (prefill), the fused decode and verify steps, and their naive references."""

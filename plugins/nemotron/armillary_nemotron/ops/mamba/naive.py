@@ -1,4 +1,4 @@
-"""Reference Mamba-2 SSD, float32, over packed varlen input: the chunked scan (prefill) and the selective state update (decode).
+"""Reference Mamba-2 SSD, float32, over packed varlen input: the chunked scan (prefill), the selective state update (decode) and chained verify steps.
 
 Conventions (mamba_ssm / transformers): per head h, dt = max(softplus(dt_raw + dt_bias), dt_min),
 dA = exp(dt · A) with A = -exp(A_log) < 0; the state S [P, N] evolves S <- dA · S + dt · x ⊗ B and
@@ -106,3 +106,29 @@ def causal_conv1d_update_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.
         y = y + bias.float()
     conv_states[state_slots] = window[:, :, 1:].to(conv_states.dtype)
     return F.silu(y).to(x.dtype)
+
+
+def verify_steps_ref(xbc: torch.Tensor, dt: torch.Tensor, conv_weight: torch.Tensor, conv_bias: torch.Tensor | None,
+                     A: torch.Tensor, D: torch.Tensor, dt_bias: torch.Tensor, dt_min: float, conv_states: torch.Tensor,
+                     ssm_states: torch.Tensor, state_slots: torch.Tensor, spec_rows: torch.Tensor, heads: int,
+                     head_dim: int) -> torch.Tensor:
+    """A speculative verify step as K + 1 chained one-token steps: xbc [B·(K+1), conv_dim] (x ‖ B ‖ C
+    before the conv) and dt [B·(K+1), H] raw, sequence-major; position i copies the rows position
+    i - 1 wrote (the slot's for i = 0) into ``spec_rows[:, i]`` [B, K] (i < K) or the slot (i = K)
+    and steps there. Returns y [B·(K+1), H, P] float32 (D skip included, before the gated norm)."""
+    num, drafts = spec_rows.shape
+    steps = drafts + 1
+    groups = (xbc.shape[1] - heads * head_dim) // (2 * ssm_states.shape[-1])
+    n_state = ssm_states.shape[-1]
+    ys = []
+    for i in range(steps):
+        src = state_slots if i == 0 else spec_rows[:, i - 1]
+        dst = spec_rows[:, i] if i < drafts else state_slots
+        conv_states[dst] = conv_states[src]
+        ssm_states[dst] = ssm_states[src]
+        act = causal_conv1d_update_ref(xbc[i::steps], conv_weight, conv_bias, conv_states, dst)  # [B, conv_dim]
+        x, B, C = act.split([heads * head_dim, groups * n_state, groups * n_state], dim=-1)
+        ys.append(selective_state_update_ref(x.reshape(num, heads, head_dim), dt[i::steps], A,
+                                             B.reshape(num, groups, n_state), C.reshape(num, groups, n_state), D,
+                                             dt_bias, dt_min, ssm_states, dst))  # [B, H, P]
+    return torch.stack(ys, dim=1).reshape(num * steps, heads, head_dim)
