@@ -43,7 +43,8 @@ def test_on_by_default_and_off_for_the_architecture_its_table_names(gpu_like, se
         serving("gemma3")  # the same plugin's other model keeps it
         assert pdl.pdl_enabled(DEV)
         gpu_like[("armillary_gemma", "sm_90")] = {"pdl": {"default": {"enabled": False}}}
-        tuning._CONFIGS.clear()  # the memo keys the patched loader, not the dict it reads
+        tuning._CONFIGS.clear()  # the memos key the patched loader, not the dict it reads
+        pdl._DECIDED.clear()
         assert not pdl.pdl_enabled(DEV)  # "default": every model of the plugin
 
 
@@ -66,7 +67,6 @@ def test_ops_install_sets_the_architecture(serving):
 @pytest.mark.parametrize("value, expected", [("0", False), ("1", True)])
 def test_the_environment_overrides_the_tables(gpu_like, monkeypatch, value, expected):
     gpu_like[("armillary_gemma", "sm_90")] = {"pdl": {"default": {"enabled": not expected}}}
-    tuning._CONFIGS.clear()
     monkeypatch.setenv("ARMILLARY_PDL", value)
     with tuning.overlay("armillary_gemma"):
         assert pdl.pdl_enabled(DEV) is expected

@@ -18,6 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
+from armillary.kernels import tuning
 from armillary.kernels.tuning import active_architecture, kernel_config
 
 try:  # Triton >= 3.3
@@ -31,9 +32,9 @@ def _supported(index: int) -> bool:
     return torch.cuda.get_device_capability(index)[0] >= 9
 
 
-def pdl_override() -> bool | None:
-    """``ARMILLARY_PDL``: "0" forces PDL off, "1" on (where the GPU has it); unset, the tables decide."""
-    value = os.environ.get("ARMILLARY_PDL", "")
+def pdl_override(value: str | None = None) -> bool | None:
+    """``ARMILLARY_PDL`` (or ``value``): "0" forces PDL off, "1" on (where the GPU has it); unset, the tables decide."""
+    value = os.environ.get("ARMILLARY_PDL", "") if value is None else value
     if value not in ("", "0", "1"):
         raise ValueError(f"ARMILLARY_PDL must be 0 or 1, not {value!r}")
     return None if value == "" else value == "1"
@@ -46,15 +47,27 @@ def pdl_available(device: torch.device) -> bool:
     return _supported(device.index if device.index is not None else torch.cuda.current_device())
 
 
+_DECIDED: dict[tuple, bool] = {}  # every launch asks (an eager prefill ~1,400 times): one answer per setting
+
+
 def pdl_enabled(device: torch.device) -> bool:
     """Available, and asked for by ``ARMILLARY_PDL`` or else the tables' ``pdl`` entry (default on)."""
+    env = os.environ.get("ARMILLARY_PDL", "")
+    key = (device, env, active_architecture(), tuning.active_packages(), tuning.load_table, pdl_available)
+    decided = _DECIDED.get(key)
+    if decided is None:
+        decided = _DECIDED[key] = _decide(device, env)
+    return decided
+
+
+def _decide(device: torch.device, env: str) -> bool:
     if not pdl_available(device):
         return False
-    forced = pdl_override()
+    forced = pdl_override(env)
     if forced is not None:
         return forced
-    key = active_architecture() or "default"
-    return bool(kernel_config("armillary.kernels", "pdl", key, {"enabled": True}, device)["enabled"])
+    table_key = active_architecture() or "default"
+    return bool(kernel_config("armillary.kernels", "pdl", table_key, {"enabled": True}, device)["enabled"])
 
 
 def launch_options(device: torch.device) -> dict:
