@@ -148,6 +148,8 @@ def main() -> None:
     ap.add_argument("--model", default="qwen")
     ap.add_argument("--scenarios", nargs="+", default=["decode"])
     ap.add_argument("--rows", type=int, default=30)
+    ap.add_argument("--fp8", action="store_true", help="weights quantized to 128x128 block fp8 and an fp8 KV cache, "
+                    "as fp8_bench.py runs them")
     ap.add_argument("--out")
     args = ap.parse_args()
     cfg, Ours = _model(args.model)
@@ -159,6 +161,8 @@ def main() -> None:
     d = Path(tempfile.mkdtemp())
     (d / "config.json").write_text(json.dumps(cfg))
     extra = {"speculative": True, "num_drafts": 2} if spec else {}
+    if args.fp8:
+        extra.update(quantization="fp8_block", kv_cache_dtype="fp8")
     ours = Ours(d, "cuda", 20480, 8, eager=False, **extra)
     lines = [f"{args.model}: start-up {ours.startup:.1f} s"]
     for sc in args.scenarios:
