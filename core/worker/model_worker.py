@@ -40,6 +40,14 @@ def _default_dtype(dtype: torch.dtype):
         torch.set_default_dtype(old)
 
 
+def fresh_peak(device: torch.device) -> None:
+    """Restart the allocator's peak at what is held now: the planner reads peak − current as the activation
+    peak, and neither the loader's read buffers, repacking temporaries nor an earlier engine of this process
+    (its weights and caches, freed by ``shutdown``) are one."""
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(device)
+
+
 class ModelWorker(Worker):
     """Runs the whole model on ``device`` (one rank of ``parallel``); see ``Worker`` for the contract."""
 
@@ -70,11 +78,10 @@ class ModelWorker(Worker):
             self._init_dummy_weights()
         else:
             fill_parameters(self.model, self.source.weights_on(self.device), str(self.source.path))
-            if self.device.type == "cuda":  # the loader's read buffers are no activation peak for the planner
-                torch.cuda.empty_cache()
-                torch.cuda.reset_peak_memory_stats(self.device)
         process_weights_after_loading(self.model)  # quant methods repack what they loaded, once
         self.model.eval()
+        if self.device.type == "cuda":
+            fresh_peak(self.device)
         return self.model
 
     def _init_dummy_weights(self) -> None:
