@@ -1,0 +1,384 @@
+"""FP8 decode GEMV (``fp8_skinny``) launch-config sweep at the Qwen3.6 projection shapes, and the tuning entry it picks.
+
+    python bench/fp8_skinny_sweep.py                     # H200: M in 1, 2, 4, 8; results to $OUT (or --out)
+    python bench/fp8_skinny_sweep.py --write             # also merge the entry into the installed Qwen table
+    python bench/fp8_skinny_sweep.py --smoke --out DIR   # CPU (TRITON_INTERPRET=1): tiny shapes, 2 candidates a path
+
+Shapes: every ``ops.fp8_linear`` a decode step of ``Qwen3_5MoeTextConfig()`` makes with ``quantization=
+"fp8_block"``, recorded by calling each fp8 linear layer of the plugin's model built on the meta device (the
+shared expert is expert E of the fused MoE, the router stays bf16: neither goes through ``fp8_linear``).
+Weights: random, 128 x 128 block e4m3 by ``armillary.kernels.fp8.quantize_blocks``, copies rotated so that
+> 120 MB stream per pass (the L2 is 50 MB). For each (shape, M) the current table pick (``decode_config``
+under the Qwen plugin's tables) and every candidate table entry (one-row path for M = 1, the tensor-core
+path above; derived by ``decode_config`` itself with the entry patched in) are timed inside one CUDA graph
+of >= 20 back-to-back calls (``skinny_gemm.time_calls``), beside bf16 cuBLAS on the dequantized weight. A
+candidate counts when its error vs the fp32 dequantized product is within max(2 x cuBLAS's, 8e-3), its
+output is bit-equal across calls and graph replays, and the split-K tickets are back at 0. Grid pruning: one-row
+tiles holding 16..128 fp32 accumulators a thread (34 of the 48 BLOCK_N x BLOCK_K x warps), splits that divide K's
+tiles while the split before gave fewer than 6 waves on 132 SMs. Candidates compile first in worker processes.
+Writes ``fp8_skinny_sweep.json`` (every measurement) and ``fp8_skinny_table.json`` (``{"fp8_skinny": {key: table
+keys}}`` for the keys whose best beats the current pick by > ``--min-gain``); ``--write`` merges that into the
+Qwen plugin's ``tuning/sm_90.json`` as installed (``importlib.resources``; ``--table``: another file), every other
+entry kept, and reads it back.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import sys
+import time
+from concurrent.futures import ProcessPoolExecutor, wait
+from contextlib import contextmanager
+from pathlib import Path
+
+SMOKE = "--smoke" in sys.argv
+if SMOKE:
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from autotune import render, table_path  # noqa: E402
+from skinny_gemm import rel_err, tickets_clear, time_calls  # noqa: E402
+
+from armillary.kernels import fp8 as ref  # noqa: E402
+from armillary.kernels import tuning  # noqa: E402
+from armillary.kernels.triton import fp8_skinny as fs  # noqa: E402
+
+QWEN = "armillary_qwen_gdn_moe"
+BLOCK = 128  # the weight's (bn, bk): the published FP8 checkpoint's and --quantization fp8_block's
+DEVICE = torch.device("cpu" if SMOKE else "cuda")
+DTYPE = torch.float16 if SMOKE else torch.bfloat16  # the interpreter miscomputes bf16 tl.dot
+ROWS = (1, 3) if SMOKE else (1, 2, 4, 8)
+SMOKE_SHAPES = {(72, 256): ["smoke_a"], (40, 512): ["smoke_b"]}  # K > 128: the block-scaled path
+ROTATE_BYTES = 0 if SMOKE else 120e6
+SPLITS = (1, 2) if SMOKE else (1, 2, 4, 8)
+SMS = 132  # H200: splits stop once the previous split count already made 6 waves
+ACC_PER_THREAD = (16, 128)  # one-row tiles: fp32 accumulators a thread holds (16 bytes a load .. no spills)
+ONE_ROW_KEYS = ("BLOCK_N", "BLOCK_K", "num_warps", "split_k")
+DOT_KEYS = ("DOT_BLOCK_N", "DOT_BLOCK_K", "dot_num_warps", "dot_num_stages", "split_k")
+if SMOKE:
+    ONE_ROW_GRID = [dict(BLOCK_N=8, BLOCK_K=128, num_warps=2)]
+    DOT_GRID = [dict(DOT_BLOCK_N=16, DOT_BLOCK_K=128, dot_num_warps=4, dot_num_stages=2)]
+else:
+    ONE_ROW_GRID = [dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=w) for bn in (4, 8, 16, 32) for bk in (256, 512, 1024, 2048)
+                    for w in (2, 4, 8) if ACC_PER_THREAD[0] <= bn * bk // (32 * w) <= ACC_PER_THREAD[1]]
+    DOT_GRID = [dict(DOT_BLOCK_N=bn, DOT_BLOCK_K=128, dot_num_warps=w, dot_num_stages=s) for bn in (16, 32, 64)
+                for w in (4, 8) for s in (2, 3, 4)]
+
+
+def fp8_decode_shapes(tiny: bool) -> dict[tuple[int, int], list[str]]:
+    """{(N, K): names of the layers} of every ``ops.fp8_linear`` call of one decode step, one name per call
+    (a layer per decoder layer repeats): each fp8 linear layer of the meta model called on one token."""
+    from qwen_bench import real_config
+
+    from armillary.hf_config import HFConfig
+    from armillary.kernels import ops
+    from armillary.layers.linear import LinearBase
+    from armillary.layers.quantization import use_quant_config
+    from armillary.layers.quantization.context import resolve_quant_config
+    from armillary.layers.quantization.fp8_methods import Fp8LinearMethod, OnlineFp8LinearMethod
+    from armillary.registry import default_registry
+
+    cfg = json.loads(json.dumps(real_config(tiny)))
+    registry = default_registry()
+    arch = registry.resolve_architecture(cfg["architectures"])
+    module, _, name = arch.model_cls.partition(":")
+    cls = getattr(__import__(module, fromlist=[name]), name)
+    saved_dtype = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with use_quant_config(resolve_quant_config(cfg, registry, "fp8_block")), torch.device("meta"):
+            net = cls(HFConfig(cfg))
+    finally:
+        torch.set_default_dtype(saved_dtype)
+    calls: list[tuple[int, int, tuple[int, int]]] = []
+
+    def record(x, weight, scale, block_n, block_k, bias=None):
+        calls.append((weight.shape[0], weight.shape[1], (block_n, block_k)))
+        return x.new_empty(x.shape[0], weight.shape[0])
+
+    shapes: dict[tuple[int, int], list[str]] = {}
+    saved_linear = ops.fp8_linear
+    ops.fp8_linear = record
+    try:
+        for path, mod in net.named_modules():
+            if isinstance(mod, LinearBase) and isinstance(mod.quant_method, (Fp8LinearMethod, OnlineFp8LinearMethod)):
+                mod.quant_method.process_weights_after_loading(mod)  # online: bf16 -> fp8 + scales (meta)
+                before = len(calls)
+                mod(torch.empty(1, mod.input_size_per_partition, device="meta", dtype=torch.bfloat16))
+                for n, k, block in calls[before:]:
+                    if block != (BLOCK, BLOCK):
+                        raise RuntimeError(f"{path}: fp8 blocks {block}, the sweep quantizes {BLOCK} x {BLOCK}")
+                    shapes.setdefault((n, k), []).append(path.rsplit(".", 1)[-1])
+    finally:
+        ops.fp8_linear = saved_linear
+    return shapes
+
+
+@contextmanager
+def patched_entry(entry: dict):
+    """``fp8_skinny.lookup_config`` answers with ``entry`` over the tables' answer (``decode_config`` derives)."""
+    saved = fs.lookup_config
+    fs.lookup_config = lambda rows, n, k, device=None: {**saved(rows, n, k, device), **entry}
+    try:
+        yield
+    finally:
+        fs.lookup_config = saved
+
+
+def derive(m: int, n: int, k: int, entry: dict | None = None) -> dict:
+    """The launch keys ``decode_config`` gives with ``entry`` in the table (None: the tables as they are)."""
+    with patched_entry(entry or {}):
+        return fs.decode_config(m, n, k, BLOCK, BLOCK, DEVICE)
+
+
+def candidates(m: int, n: int, k: int, current: dict) -> list[tuple[dict, dict]]:
+    """(table entry, derived launch keys) of each candidate, distinct and not the current pick: splits that
+    divide K's tiles, and only while the unsplit grid is short of ~6 waves."""
+    out, seen = [], {json.dumps(current, sort_keys=True)}
+    for base in ONE_ROW_GRID if m == 1 else DOT_GRID:
+        for split in SPLITS:
+            entry = {**base, "split_k": split}
+            cfg = derive(m, n, k, entry)
+            k_blocks = math.ceil(k / (cfg["NSUB"] * cfg["SUB_K"]))
+            tiles = math.ceil(n / cfg["BLOCK_N"]) * math.ceil(m / cfg["BLOCK_M"])
+            if k_blocks % split or cfg["split_k"] != split or (split > 1 and tiles * split // 2 >= 6 * SMS):
+                continue
+            key = json.dumps(cfg, sort_keys=True)
+            if key not in seen:
+                seen.add(key)
+                out.append((entry, cfg))
+    return out
+
+
+def make_weights(n: int, k: int, copies: int, seed: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator(device=DEVICE).manual_seed(seed)
+    return [ref.quantize_blocks((torch.randn(n, k, device=DEVICE, generator=g) * 0.02).to(DTYPE), BLOCK, BLOCK)
+            for _ in range(copies)]
+
+
+_WORKER_INPUTS: dict = {}
+
+
+def warm_init() -> None:
+    tuning.use_packages((QWEN,))  # the same PDL decision (a constexpr) as the timed process
+
+
+def warm_one(job: tuple) -> bool:
+    """Compiles one specialisation by launching it once: (N, K, M, launch keys)."""
+    n, k, m, cfg = job
+    try:
+        if (n, k, m) not in _WORKER_INPUTS:
+            (q, s), = make_weights(n, k, 1, 0)
+            _WORKER_INPUTS[(n, k, m)] = (torch.randn(m, k, device=DEVICE, dtype=DTYPE), q, s)
+        x, q, s = _WORKER_INPUTS[(n, k, m)]
+        fs.fp8_skinny_gemm(x, q, s, BLOCK, BLOCK, config=cfg)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        return True
+    except Exception as e:  # the timed run reports it
+        print(f"warm n{n}_k{k}_m{m} {cfg}: {type(e).__name__}: {str(e)[:200]}", flush=True)
+        return False
+
+
+def warm_compile(jobs: list[tuple], workers: int, budget_s: float) -> dict:
+    """One launch per distinct specialisation (split_k and M are runtime arguments), in ``workers`` processes."""
+    distinct, seen = [], set()
+    for n, k, m, cfg in jobs:
+        key = json.dumps({**cfg, "split_k": None, "even": k % (cfg["NSUB"] * cfg["SUB_K"] * cfg["K_TILES"]),
+                          "n16": n % 16}, sort_keys=True)
+        if key not in seen:
+            seen.add(key)
+            distinct.append((n, k, m, cfg))
+    if workers <= 1 or SMOKE:
+        return {"specialisations": len(distinct), "compiled_in_workers": 0}
+    import multiprocessing as mp
+
+    start = time.time()
+    pool = ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn"), initializer=warm_init)
+    futures = [pool.submit(warm_one, job) for job in distinct]
+    done, pending = wait(futures, timeout=budget_s)
+    pool.shutdown(wait=True, cancel_futures=True)  # the running compiles finish; the rest compile when timed
+    ok = sum(1 for f in done if not f.cancelled() and f.exception() is None and f.result())
+    print(f"warm-up: {ok}/{len(distinct)} specialisations compiled in {workers} processes, "
+          f"{time.time() - start:.0f} s{f' ({len(pending)} left to the timed run)' if pending else ''}", flush=True)
+    return {"specialisations": len(distinct), "compiled_in_workers": ok, "warm_s": time.time() - start}
+
+
+def time_config(x, weights, cfg: dict, want: torch.Tensor, tol: float, gbps) -> dict:
+    """One launch config: µs per call in a graph, error, bit-stability, tickets; ``ok`` when it may count."""
+    row: dict = {}
+    try:
+        eager = fs.fp8_skinny_gemm(x, *weights[0], BLOCK, BLOCK, config=cfg)
+        again = fs.fp8_skinny_gemm(x, *weights[0], BLOCK, BLOCK, config=cfg)
+        us, outs = time_calls(lambda i: fs.fp8_skinny_gemm(x, *weights[i], BLOCK, BLOCK, config=cfg), len(weights))
+        same = all(torch.equal(eager, o) for o in [again, *outs[:: len(weights)]])  # calls and graph replays
+        row.update(us=us, GBps=gbps(us), err=rel_err(eager, want), stable=bool(same), tickets_clear=tickets_clear())
+        row["ok"] = row["stable"] and row["tickets_clear"] and row["err"] <= tol
+    except Exception as e:  # a config that does not compile or fit: report it, keep going
+        row.update(ok=False, error=f"{type(e).__name__}: {str(e)[:300]}")
+    return row
+
+
+def sweep_shape(names: list[str], n: int, k: int, m: int, weights, dense, deadline: float) -> dict:
+    """cuBLAS, the current pick and every candidate at one (shape, M)."""
+    fp8_bytes = n * k + 4 * math.ceil(n / BLOCK) * math.ceil(k / BLOCK) + 2 * m * (k + n)
+    gbps = lambda us: fp8_bytes / (us * 1e-6) / 1e9  # noqa: E731
+    gen = torch.Generator(device=DEVICE).manual_seed(m)
+    x = torch.randn(m, k, device=DEVICE, generator=gen).to(DTYPE)
+    want = x.float() @ ref.dequantize(*weights[0], BLOCK, BLOCK).T  # [M, N] fp32
+    cublas_us, outs = time_calls(lambda i: F.linear(x, dense[i]), len(dense))
+    bf16_bytes = 2 * n * k + 2 * m * (k + n)
+    row = {"shape": "+".join(sorted(set(names))), "launches_per_step": len(names), "N": n, "K": k, "M": m,
+           "key": fs.config_key(m, n, k), "weight_copies": len(weights), "cublas_us": cublas_us,
+           "cublas_GBps": bf16_bytes / (cublas_us * 1e-6) / 1e9, "cublas_err": rel_err(outs[0], want), "configs": []}
+    tol = max(2.0 * row["cublas_err"], 8e-3)
+    current = derive(m, n, k)
+    runs = [(None, current, "current"), *[(e, c, "sweep") for e, c in candidates(m, n, k, current)]]
+    for entry, cfg, source in runs:
+        if source == "sweep" and time.time() > deadline:
+            row["truncated"] = True
+            break
+        row["configs"].append({"source": source, "entry": entry, "config": cfg,
+                               **time_config(x, weights, cfg, want, tol, gbps)})
+    return row
+
+
+def summarise(row: dict, min_gain: float) -> dict:
+    """Current pick, best counted config, and the table entry (only table keys) where the best wins."""
+    good = [c for c in row["configs"] if c.get("ok")]
+    cur = row["configs"][0] if row["configs"] and row["configs"][0]["source"] == "current" else {}
+    best = min(good, key=lambda c: c["us"], default=None)
+    rival = min((c for c in good if c["source"] == "sweep"), key=lambda c: c["us"], default=None)
+    out = {"key": row["key"], "current_us": cur.get("us"), "current_GBps": cur.get("GBps"), "current_ok": cur.get("ok"),
+           "current": cur.get("config"), "bad_configs": sum(1 for c in row["configs"] if not c.get("ok")),
+           "timed": len(row["configs"]), "cublas_us": row["cublas_us"]}
+    if best is not None:
+        out.update(best_us=best["us"], best_GBps=best["GBps"], best_err=best["err"], best=best["config"],
+                   best_entry=best["entry"])
+    if rival is not None and (not cur.get("ok") or rival["us"] < (1.0 - min_gain) * cur["us"]):
+        keys = ONE_ROW_KEYS if row["M"] == 1 else DOT_KEYS
+        out.update(entry={key: rival["entry"][key] for key in keys}, entry_config=rival["config"],
+                   entry_us=rival["us"])
+    return out
+
+
+def merged_table(path: Path, entries: dict, comment: str) -> dict:
+    """The table at ``path`` with ``entries`` merged into its ``fp8_skinny`` kernel entry (each key's old keys
+    kept under the new ones, every other key and kernel untouched) and a fresh ``_comment``."""
+    table = json.loads(path.read_text()) if path.exists() else {}
+    old = table.get(fs.KERNEL, {})
+    kernel = {"_comment": comment, **{key: v for key, v in old.items() if key != "_comment"}}
+    for key, entry in entries.items():
+        kernel[key] = {**old.get(key, {}), **entry}
+    return {**table, fs.KERNEL: kernel}
+
+
+def check_written(summaries: list[dict], rows: list[dict]) -> list[str]:
+    """After ``--write``: the tables as a new process reads them give each written key its winner's launch keys."""
+    tuning.load_table.cache_clear()
+    tuning._CONFIGS.clear()  # kernel_config's memo of the tables' answers
+    bad = []
+    for s, row in zip(summaries, rows):
+        if "entry" in s and derive(row["M"], row["N"], row["K"]) != s["entry_config"]:
+            bad.append(s["key"])
+    return bad
+
+
+def report_line(row: dict, s: dict) -> str:
+    """One (shape, M): the current pick, the best counted config and bf16 cuBLAS, µs and GB/s."""
+    fmt = lambda v: f"{v:8.2f}" if v is not None else "       -"  # noqa: E731
+    best = json.dumps(s["best_entry"]) if s.get("best_entry") else "(the current pick)"
+    speedup = (s["current_us"] or 0) / s.get("best_us", math.inf)
+    return (f"{row['shape']:16s} M={row['M']} current {fmt(s['current_us'])} us {s['current_GBps'] or 0:6.0f} GB/s"
+            f"{'' if s['current_ok'] else ' (FAILS its checks)'} | best {fmt(s.get('best_us'))} us "
+            f"{s.get('best_GBps', 0):6.0f} GB/s x{speedup:.2f} {best} | bf16 cuBLAS {fmt(row['cublas_us'])} us "
+            f"{row['cublas_GBps']:6.0f} GB/s | err {s.get('best_err', float('nan')):.1e} bad {s['bad_configs']}/"
+            f"{s['timed']}{' -> table' if 'entry' in s else ''}{' TRUNCATED' if row.get('truncated') else ''}")
+
+
+def device_name() -> str:
+    return "cpu-interpreter" if SMOKE else torch.cuda.get_device_name()
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", default=os.environ.get("OUT"), help="results folder (default $OUT)")
+    ap.add_argument("--smoke", action="store_true", help="CPU interpreter: tiny shapes, the plumbing only")
+    ap.add_argument("--write", action="store_true", help="merge the entry into the Qwen plugin's tuning/sm_90.json")
+    ap.add_argument("--table", type=Path, default=None, help="the table --write merges into (default: the installed "
+                    "armillary_qwen_gdn_moe/tuning/sm_90.json)")
+    ap.add_argument("--min-gain", type=float, default=0.03, help="a key's best must beat the current pick by this")
+    ap.add_argument("--deadline-s", type=float, default=150.0, help="stop timing candidates after this; write anyway")
+    ap.add_argument("--workers", type=int, default=min(12, os.cpu_count() or 1), help="compile processes")
+    args = ap.parse_args()
+    if not args.out:
+        ap.error("--out or $OUT is required")
+    if args.write and SMOKE and args.table is None:
+        ap.error("--smoke --write needs --table: interpreter timings must not reach the package's table")
+    start = time.time()
+    deadline = start + args.deadline_s
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    tuning.use_packages((QWEN,))  # the tables as the served Qwen model reads them
+    import triton
+
+    from armillary.kernels.triton.pdl import pdl_enabled
+
+    model_shapes = fp8_decode_shapes(tiny=SMOKE)
+    for (n, k), names in model_shapes.items():
+        print(f"fp8_linear n{n}_k{k}: {len(names)} launches a step ({', '.join(sorted(set(names)))})", flush=True)
+    shapes = SMOKE_SHAPES if SMOKE else model_shapes
+    results = {"device": device_name(), "torch": torch.__version__, "triton": triton.__version__,
+               "pdl": pdl_enabled(DEVICE), "command": " ".join(sys.argv), "date": str(datetime.date.today()),
+               "model_shapes": {f"n{n}_k{k}": names for (n, k), names in model_shapes.items()},
+               "rows": [], "summary": []}
+    weights, dense = {}, {}
+    for i, (n, k) in enumerate(shapes):
+        copies = max(2, math.ceil(ROTATE_BYTES / (n * k)))
+        weights[(n, k)] = make_weights(n, k, copies, seed=i)
+        dense[(n, k)] = [ref.dequantize(q, s, BLOCK, BLOCK, DTYPE) for q, s in weights[(n, k)]]
+    jobs = [(n, k, m, cfg) for m in ROWS for (n, k) in shapes
+            for cfg in [derive(m, n, k)] + [c for _, c in candidates(m, n, k, derive(m, n, k))]]
+    print(f"{len(jobs)} configs to time over {len(shapes)} shapes x M {ROWS}; PDL {'on' if results['pdl'] else 'off'}",
+          flush=True)
+    results["warm_up"] = warm_compile(jobs, args.workers, 0.6 * max(0.0, deadline - time.time()))
+    for m in ROWS:  # every shape at M = 1 first: a short deadline cuts the larger M
+        for (n, k), names in shapes.items():
+            row = sweep_shape(names, n, k, m, weights[(n, k)], dense[(n, k)], deadline)
+            s = summarise(row, args.min_gain)
+            results["rows"].append(row)
+            results["summary"].append(s)
+            print(report_line(row, s), flush=True)
+            (out / "fp8_skinny_sweep.json").write_text(json.dumps(results, indent=1))
+    entries = {s["key"]: s["entry"] for s in results["summary"] if "entry" in s}
+    gains = ", ".join(f"{s['key']} {s['current_us']:.1f} -> {s['entry_us']:.1f} us" for s in results["summary"]
+                      if "entry" in s and s["current_us"] is not None)
+    comment = (f"bench/fp8_skinny_sweep.py on {device_name()} ({results['date']}, PDL "
+               f"{'on' if results['pdl'] else 'off'}): {' '.join(['python', *sys.argv])}; keys n{{N}}_k{{K}}_m{{rows "
+               f"rounded up to 2^i}} where the best beat the table pick by > {100 * args.min_gain:g}%: "
+               f"{gains or 'none'}")
+    (out / "fp8_skinny_table.json").write_text(json.dumps({fs.KERNEL: {"_comment": comment, **entries}}, indent=1))
+    print(f"tuning entry ({len(entries)} keys): {json.dumps({fs.KERNEL: entries})}", flush=True)
+    status = 0
+    if args.write:
+        path = args.table or Path(table_path(QWEN, "sm_90"))
+        path.write_text(render(merged_table(path, entries, comment)))
+        bad = check_written(results["summary"], results["rows"]) if args.table is None else []
+        results["written"] = {"table": str(path), "keys": sorted(entries), "read_back_mismatch": bad}
+        print(f"wrote {len(entries)} keys into {path}; read back: {'ok' if not bad else 'MISMATCH ' + str(bad)}",
+              flush=True)
+        status = 1 if bad else 0
+    results["elapsed_s"] = time.time() - start
+    (out / "fp8_skinny_sweep.json").write_text(json.dumps(results, indent=1))
+    print(f"done in {results['elapsed_s']:.0f} s -> {out}", flush=True)
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())
