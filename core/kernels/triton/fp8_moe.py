@@ -9,6 +9,8 @@ Weights are float8_e4m3fn [E, N, K] with fp32 block scales [E, ceil(N / bn), cei
   fp32; the down kernel, a program per (token, BLOCK_N rows), walks the token's k experts and
   sums weight_j · (W2_e h_j) in fp32 before one store: no atomics, no third launch. Activations
   other than silu / relu² / gelu-tanh: the same streaming for each GEMM, the activation in torch.
+  Rows per program, tile width, warps and stages come from the "fp8_moe_gemv" tuning entry (keyed by
+  experts, hidden, intermediate, top-k and tokens; ``bench/fp8_moe_gemv_sweep.py`` measures it).
 - grouped (prefill): rows sorted by expert into BLOCK_M blocks (``moe_align``); each GEMM's input
   is quantized once per row and 128-column group (``fp8_gemm.quantize_act``, one launch), and the
   tiles multiply on the fp8 tensor cores with ``acc += dot · a_scale · w_scale`` per K step, loads
@@ -23,6 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
+from armillary.kernels import tuning
 from armillary.kernels.activation import act_and_mul, get_activation
 from armillary.kernels.triton.fp8_gemm import act_group, quantize_act
 from armillary.kernels.triton.fp8_skinny import (WIDE_FOLD, fp8_row_products, fp8_row_scales, k_layout, on_gpu,
@@ -31,6 +34,15 @@ from armillary.kernels.triton.moe_align import moe_align
 from armillary.kernels.triton.pdl import pdl_prologue
 
 GEMV_MAX_PAIRS = 64  # at most this many (token, expert) pairs take the GEMV path
+TUNING_PACKAGE = "armillary.kernels"
+GEMV_KERNEL = "fp8_moe_gemv"
+# BLOCK_N1 / BLOCK_N2: weight rows per program (up: that many gate rows and as many up rows); BLOCK_K1 /
+# BLOCK_K2: the tile's columns (NSUB · SUB_K, SUB_K at most the weight's K block), powers of two >= 16.
+# num_stages1 > 1: the up kernel's K tiles in a pipelined loop instead of unrolled (the down kernel's
+# loops stay unrolled: num_stages2 is only the launch option).
+GEMV_DEFAULTS = {"BLOCK_N1": 2, "BLOCK_K1": 1024, "num_warps1": 2, "num_stages1": 1,
+                 "BLOCK_N2": 4, "BLOCK_K2": 512, "num_warps2": 4, "num_stages2": 1}
+INTERPRETER_DEFAULTS = {**GEMV_DEFAULTS, "BLOCK_N1": 4, "num_warps1": 4}  # CPU: fewer, larger programs
 _FUSED_ACTS = {"silu": 0, "swish": 0, "relu2": 1, "gelu_pytorch_tanh": 2, "gelu_tanh": 2}
 _IDENTITY = 3
 
@@ -98,40 +110,57 @@ def _act(x, ACT: tl.constexpr):
 
 
 @triton.jit
+def _up_tile(x_row, w_e, s_e, rows, up_rows, gate_blk, up_blk, k0, K, stride_wn, stride_sn, stride_sk, acc_u, acc_g,
+             GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, K_SCALED: tl.constexpr, ROWS_SHARE: tl.constexpr,
+             GATED: tl.constexpr, EVEN_K: tl.constexpr, NSUB: tl.constexpr, SUB_K: tl.constexpr):
+    """One [BN, NSUB, SUB_K] tile at column k0 of the up (and gate) rows, added to the elementwise sums."""
+    koff = k0 + tl.arange(0, NSUB)[:, None] * SUB_K + tl.arange(0, SUB_K)[None, :]  # [NSUB, SUB_K]
+    if EVEN_K:
+        x = tl.load(x_row + koff).to(tl.float32)
+    else:
+        x = tl.load(x_row + koff, mask=koff < K, other=0.0).to(tl.float32)
+    acc_u += fp8_row_products(w_e, s_e, x, up_rows, up_blk, k0, K, stride_wn, stride_sn, stride_sk,
+                              GROUP_N, GROUP_K, K_SCALED, ROWS_SHARE, NSUB, SUB_K, EVEN_K)
+    if GATED:
+        acc_g += fp8_row_products(w_e, s_e, x, rows, gate_blk, k0, K, stride_wn, stride_sn, stride_sk,
+                                  GROUP_N, GROUP_K, K_SCALED, ROWS_SHARE, NSUB, SUB_K, EVEN_K)
+    return acc_u, acc_g
+
+
+@triton.jit
 def _gemv_up_kernel(
     x_ptr, w_ptr, s_ptr, h_ptr, ids_ptr, I, K,
     stride_xm, stride_we, stride_wn, stride_se, stride_sn, stride_sk, stride_hm,
     A_DIV: tl.constexpr, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, K_SCALED: tl.constexpr,
     ROWS_SHARE: tl.constexpr, GATED: tl.constexpr, ACT: tl.constexpr, EVEN_K: tl.constexpr,
-    K_TILES: tl.constexpr, BLOCK_N: tl.constexpr, NSUB: tl.constexpr, SUB_K: tl.constexpr, PDL: tl.constexpr,
+    K_TILES: tl.constexpr, STAGES: tl.constexpr, BLOCK_N: tl.constexpr, NSUB: tl.constexpr, SUB_K: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
     """Grid (pairs, cdiv(I, BN)): h[pair, n] = act(gate_n · x) · (up_n · x) (or act(up_n · x)) in fp32,
-    x = x[pair / A_DIV]; the gate row n and up row I + n of w13[e] streamed by one program."""
+    x = x[pair / A_DIV]; the gate row n and up row I + n of w13[e] streamed by one program. STAGES 1: the
+    K tiles unrolled; s > 1: a loop software-pipelined over s stages."""
     pdl_prologue(PDL)
     pair, pid_n = tl.program_id(0).to(tl.int64), tl.program_id(1)
     e = tl.load(ids_ptr + pair).to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = offs_n % I  # clamped rows: unmasked wide loads, results not stored
     up_rows = rows + I if GATED else rows
+    gate_blk = (pid_n * BLOCK_N) // GROUP_N
     up_blk = ((I if GATED else 0) + pid_n * BLOCK_N) // GROUP_N
     w_e, s_e = w_ptr + e * stride_we, s_ptr + e * stride_se
     x_row = x_ptr + (pair // A_DIV) * stride_xm
-    sub = tl.arange(0, NSUB)
-    kk = tl.arange(0, SUB_K)
     acc_u = tl.zeros([BLOCK_N, NSUB, SUB_K], dtype=tl.float32)
     acc_g = tl.zeros([BLOCK_N, NSUB, SUB_K], dtype=tl.float32)
-    for kt in tl.static_range(K_TILES):
-        k0 = kt * NSUB * SUB_K
-        koff = k0 + sub[:, None] * SUB_K + kk[None, :]  # [NSUB, SUB_K]
-        if EVEN_K:
-            x = tl.load(x_row + koff).to(tl.float32)
-        else:
-            x = tl.load(x_row + koff, mask=koff < K, other=0.0).to(tl.float32)
-        acc_u += fp8_row_products(w_e, s_e, x, up_rows, up_blk, k0, K, stride_wn, stride_sn, stride_sk,
-                                  GROUP_N, GROUP_K, K_SCALED, ROWS_SHARE, NSUB, SUB_K, EVEN_K)
-        if GATED:
-            acc_g += fp8_row_products(w_e, s_e, x, rows, (pid_n * BLOCK_N) // GROUP_N, k0, K, stride_wn, stride_sn,
-                                      stride_sk, GROUP_N, GROUP_K, K_SCALED, ROWS_SHARE, NSUB, SUB_K, EVEN_K)
+    if STAGES > 1:
+        for kt in tl.range(K_TILES, num_stages=STAGES):
+            acc_u, acc_g = _up_tile(x_row, w_e, s_e, rows, up_rows, gate_blk, up_blk, kt * NSUB * SUB_K, K,
+                                    stride_wn, stride_sn, stride_sk, acc_u, acc_g, GROUP_N, GROUP_K, K_SCALED,
+                                    ROWS_SHARE, GATED, EVEN_K, NSUB, SUB_K)
+    else:
+        for kt in tl.static_range(K_TILES):
+            acc_u, acc_g = _up_tile(x_row, w_e, s_e, rows, up_rows, gate_blk, up_blk, kt * NSUB * SUB_K, K,
+                                    stride_wn, stride_sn, stride_sk, acc_u, acc_g, GROUP_N, GROUP_K, K_SCALED,
+                                    ROWS_SHARE, GATED, EVEN_K, NSUB, SUB_K)
     up = tl.sum(tl.sum(acc_u, axis=2), axis=1) * WIDE_FOLD  # [BN]
     if not K_SCALED:
         up = up * fp8_row_scales(s_e, up_rows, stride_sn, GROUP_N)
@@ -190,42 +219,82 @@ def _gemv_down_kernel(
 
 def _gemv_meta(k: int, block_n: int, block_k: int, bn: int, width: int) -> dict:
     """Tile constexprs of a GEMV launch over K columns (ROWS_SHARE decided by the caller's row offsets)."""
+    if bn < 1 or bn & (bn - 1) or width < 16 or width & (width - 1):
+        raise ValueError(f"fp8 MoE GEMV: rows per program ({bn}) and tile width ({width}) must be powers of two, "
+                         "the width at least 16")
     nsub, sub_k, scaled = k_layout(k, block_k, width)
     tiles = triton.cdiv(k, nsub * sub_k)
     return dict(GROUP_N=block_n, GROUP_K=block_k if scaled else 1 << 30, K_SCALED=scaled,
                 EVEN_K=k % (nsub * sub_k) == 0, K_TILES=tiles, BLOCK_N=bn, NSUB=nsub, SUB_K=sub_k)
 
 
-def _gemv_moe(x, w13, s13, w2, s2, block_n, block_k, topk_weights, topk_ids, activation: str) -> torch.Tensor:
+def gemv_config_key(num_experts: int, hidden: int, inter: int, top_k: int, tokens: int) -> str:
+    """Tuning key: the expert shape, (token, expert) slots per token and tokens rounded up to a power of two."""
+    return f"e{num_experts}_h{hidden}_i{inter}_k{top_k}_t{triton.next_power_of_2(max(tokens, 1))}"
+
+
+def gemv_config(num_experts: int, hidden: int, inter: int, top_k: int, tokens: int, device: torch.device) -> dict:
+    """Launch parameters of both GEMV kernels: GEMV_DEFAULTS (INTERPRETER_DEFAULTS off the GPU) under the tables."""
+    defaults = GEMV_DEFAULTS if on_gpu(device) else INTERPRETER_DEFAULTS
+    return tuning.kernel_config(TUNING_PACKAGE, GEMV_KERNEL, gemv_config_key(num_experts, hidden, inter, top_k, tokens),
+                                defaults, device)
+
+
+def gemv_up(x: torch.Tensor, w13: torch.Tensor, s13: torch.Tensor, block_n: int, block_k: int,
+            topk_ids: torch.Tensor, h: torch.Tensor, activation: str | None, cfg: dict) -> None:
+    """h[p] (fp32, written) = act(gate_e x[p // k]) · up_e x[p // k] when ``activation`` is fused and h [P, I]
+    of a gated w13 [E, 2I, H]; else h [P, rows] = act(w13_e x) (``activation`` None: the rows as they are).
+    topk_ids [T, k] contiguous."""
+    k = topk_ids.shape[1]
+    rows = h.shape[1]
+    gated = activation is not None and w13.shape[1] == 2 * rows  # [gate | up] fused (unfused: h holds all rows)
+    act = _FUSED_ACTS[activation] if activation is not None else _IDENTITY
+    bn = cfg["BLOCK_N1"]
+    meta = _gemv_meta(w13.shape[2], block_n, block_k, bn, cfg["BLOCK_K1"])
+    share = block_n % bn == 0 and (not gated or rows % bn == 0)  # every tile inside one scale row block
+    _gemv_up_kernel[(topk_ids.numel(), triton.cdiv(rows, bn))](
+        x, w13, s13, h, topk_ids, rows, w13.shape[2], x.stride(0), w13.stride(0), w13.stride(1), s13.stride(0),
+        s13.stride(1), s13.stride(2) if s13.shape[2] > 1 else 0, h.stride(0), A_DIV=k, ROWS_SHARE=share,
+        GATED=gated, ACT=act, STAGES=cfg["num_stages1"], num_warps=cfg["num_warps1"],
+        num_stages=cfg["num_stages1"], **meta,
+        **pdl_options(x.device))  # fmt: skip
+
+
+def gemv_down(h: torch.Tensor, w2: torch.Tensor, s2: torch.Tensor, block_n: int, block_k: int,
+              topk_ids: torch.Tensor, weights: torch.Tensor, out: torch.Tensor, cfg: dict) -> None:
+    """out[t] (written) = Σ_j weights[t, j] · w2[ids[t, j]] · h[t · k + j]: h fp32 [T · k, I], topk_ids and
+    weights (fp32) [T, k] contiguous, out [T, H]."""
+    t, k = topk_ids.shape
+    hidden, inter = w2.shape[1], w2.shape[2]
+    bn = cfg["BLOCK_N2"]
+    meta = _gemv_meta(inter, block_n, block_k, bn, cfg["BLOCK_K2"])
+    _gemv_down_kernel[(t, triton.cdiv(hidden, bn))](
+        h, w2, s2, out, topk_ids, weights, hidden, inter, h.stride(0), w2.stride(0), w2.stride(1), s2.stride(0),
+        s2.stride(1), s2.stride(2) if s2.shape[2] > 1 else 0, out.stride(0), TOP_K=k,
+        ROWS_SHARE=block_n % bn == 0, num_warps=cfg["num_warps2"], num_stages=cfg["num_stages2"], **meta,
+        **pdl_options(out.device))  # fmt: skip
+
+
+def _gemv_moe(x, w13, s13, w2, s2, block_n, block_k, topk_weights, topk_ids, activation: str,
+              config: dict | None = None) -> torch.Tensor:
     """Decode: up kernel (GEMM 1, the activation fused when it is one of _FUSED_ACTS), down kernel (GEMM 2
-    and the weighted sum); every chosen expert's weights streamed once, in wide contiguous loads."""
+    and the weighted sum); every chosen expert's weights streamed once, in wide contiguous loads.
+    ``config`` overrides keys of the table's ``gemv_config`` (tests, sweeps)."""
     t, k = topk_ids.shape
     inter, hidden = w2.shape[2], w2.shape[1]
-    gated = w13.shape[1] == 2 * inter
-    gpu = on_gpu(x.device)
+    cfg = {**gemv_config(w13.shape[0], hidden, inter, k, t, x.device), **(config or {})}
     fused = activation in _FUSED_ACTS
-    ids = topk_ids.reshape(-1).contiguous()
+    ids = topk_ids.contiguous()
     up_rows = inter if fused else w13.shape[1]  # unfused: every w13 row through, the activation in torch
-    bn1, bn2 = (2, 4) if gpu else (4, 4)
-    meta1 = _gemv_meta(w13.shape[2], block_n, block_k, bn1, 1024)
-    share1 = block_n % bn1 == 0 and (not (fused and gated) or inter % bn1 == 0)
     h = torch.empty(t * k, up_rows, dtype=torch.float32, device=x.device)  # [P, I] (or [P, 2I] unfused)
-    opts = pdl_options(x.device)
-    _gemv_up_kernel[(t * k, triton.cdiv(up_rows, bn1))](
-        x, w13, s13, h, ids, up_rows, w13.shape[2], x.stride(0), w13.stride(0), w13.stride(1), s13.stride(0),
-        s13.stride(1), s13.stride(2) if s13.shape[2] > 1 else 0, h.stride(0), A_DIV=k, ROWS_SHARE=share1,
-        GATED=gated and fused, ACT=_FUSED_ACTS[activation] if fused else _IDENTITY,
-        num_warps=2 if gpu else 4, num_stages=1, **meta1, **opts)  # fmt: skip
+    gemv_up(x, w13, s13, block_n, block_k, ids, h, activation if fused else None, cfg)
     if not fused:
+        gated = w13.shape[1] == 2 * inter
         h = act_and_mul(h, activation) if gated else get_activation(activation)(h)  # [P, I] fp32
         h = h.contiguous()
     out = torch.empty(t, hidden, dtype=x.dtype, device=x.device)
-    meta2 = _gemv_meta(inter, block_n, block_k, bn2, 512)
-    weights = topk_weights.float().reshape(-1).contiguous()
-    _gemv_down_kernel[(t, triton.cdiv(hidden, bn2))](
-        h, w2, s2, out, ids, weights, hidden, inter, h.stride(0), w2.stride(0), w2.stride(1), s2.stride(0),
-        s2.stride(1), s2.stride(2) if s2.shape[2] > 1 else 0, out.stride(0), TOP_K=k,
-        ROWS_SHARE=block_n % bn2 == 0, num_warps=4, num_stages=1, **meta2, **opts)  # fmt: skip
+    weights = topk_weights.float().contiguous()  # [T, k]
+    gemv_down(h, w2, s2, block_n, block_k, ids, weights, out, cfg)
     return out
 
 
@@ -260,9 +329,11 @@ def grouped_block_m(num_pairs: int, gpu: bool) -> int:
 
 def fp8_fused_moe(x: torch.Tensor, w13: torch.Tensor, s13: torch.Tensor, w2: torch.Tensor, s2: torch.Tensor,
                   block_n: int, block_k: int, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-                  activation: str = "silu", grouped: bool | None = None, block_m: int | None = None) -> torch.Tensor:
+                  activation: str = "silu", grouped: bool | None = None, block_m: int | None = None,
+                  gemv: dict | None = None) -> torch.Tensor:
     """x [T, H] (unit last stride) -> [T, H] in x's dtype; ``grouped`` forces a path (None: by pair count),
-    ``block_m`` the grouped path's rows per tile (None: by rows per expert)."""
+    ``block_m`` the grouped path's rows per tile (None: by rows per expert), ``gemv`` overrides keys of the
+    GEMV path's table config."""
     t, k = topk_ids.shape
     inter = w2.shape[2]
     gated = w13.shape[1] == 2 * inter
@@ -271,7 +342,7 @@ def fp8_fused_moe(x: torch.Tensor, w13: torch.Tensor, s13: torch.Tensor, w2: tor
         return x.new_zeros(x.shape)
     x = x.contiguous()
     if not (num_pairs > GEMV_MAX_PAIRS if grouped is None else grouped):
-        return _gemv_moe(x, w13, s13, w2, s2, block_n, block_k, topk_weights, topk_ids, activation)
+        return _gemv_moe(x, w13, s13, w2, s2, block_n, block_k, topk_weights, topk_ids, activation, gemv)
     if block_m is None:
         block_m = grouped_block_m(num_pairs, on_gpu(x.device))
     align = moe_align(topk_ids, w13.shape[0], block_m)
