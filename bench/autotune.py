@@ -63,6 +63,9 @@ SWEEPS = [
           lambda r: {"gdn_decode": r["recommended"]["gdn_decode"]} if r.get("recommended") else {}),
     Sweep("attention_decode_sweep.py", ["--model", "qwen"], QWEN, "attention_decode_sweep.json",
           lambda r: {"paged_attention_decode": r["table"]} if r.get("table") else {}),
+    # FP8 decode (block-fp8 checkpoints): entries only where the sweep beat the current pick, so keys merge
+    Sweep("fp8_skinny_sweep.py", [], QWEN, "fp8_skinny_table.json", lambda r: r, by_key=True),
+    Sweep("fp8_moe_gemv_sweep.py", [], QWEN, "fp8_moe_gemv_table.json", lambda r: r, by_key=True),
 ]
 
 
