@@ -23,13 +23,11 @@ kernel's keys only where its best beats the current pick by > 3%). PDL follows `
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import math
 import os
 import sys
 import time
-from concurrent.futures import ProcessPoolExecutor, wait
 from pathlib import Path
 
 import torch
@@ -46,8 +44,8 @@ from armillary.kernels.triton import fp8_moe  # noqa: E402
 from armillary.kernels.triton import moe as bf16_moe  # noqa: E402
 from armillary.kernels.triton import moe_gemv  # noqa: E402
 from armillary.kernels.triton.fp8_skinny import pdl_options  # noqa: E402
-from autotune import render, table_path  # noqa: E402
-from skinny_gemm import rel_err, time_calls  # noqa: E402
+from autotune import merge, render, table_path  # noqa: E402
+from skinny_gemm import compile_in_workers, rel_err, time_calls  # noqa: E402
 
 QWEN = "armillary_qwen_gdn_moe"
 DEVICE = "cpu" if SMOKE else "cuda"
@@ -140,17 +138,8 @@ def warm_worker(job: tuple) -> bool:
 
 def warm_compile(workers: int, jobs: list[tuple], until: float) -> None:
     """Compile ``jobs`` in spawned workers until ``until``; what is left compiles on first use."""
-    if SMOKE or workers <= 1:
-        return
-    import multiprocessing as mp
-
-    start = time.time()
-    pool = ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn"))
-    futures = [pool.submit(warm_worker, job) for job in jobs]
-    done, _ = wait(futures, timeout=max(1.0, until - time.time()))
-    pool.shutdown(wait=False, cancel_futures=True)
-    ok = sum(1 for f in done if f.exception() is None and f.result())
-    print(f"warm-up: {ok}/{len(jobs)} configs compiled in {workers} processes, {time.time() - start:.0f} s", flush=True)
+    if not SMOKE and workers > 1:
+        compile_in_workers(warm_worker, jobs, workers, until - time.time())
 
 
 def measure(label: str, fn, copies: int, ref_out: torch.Tensor | None) -> dict:
@@ -267,12 +256,11 @@ def write_table(entry: dict, path: Path, command: str, device: str) -> None:
     """Merge ``entry`` into the table at ``path``: other kernels kept, other keys of fp8_moe_gemv kept, each
     swept key updated with the new keys only."""
     table = json.loads(path.read_text()) if path.exists() else {}
-    old = {k: v for k, v in table.get(fp8_moe.GEMV_KERNEL, {}).items() if k != "_comment"}
-    for key, cfg in entry.items():
-        old[key] = {**old.get(key, {}), **cfg}
-    comment = (f"bench/fp8_moe_gemv_sweep.py on {device} ({datetime.date.today()}): `{command}`; keys "
-               "e{E}_h{H}_i{I}_k{slots}_t{T up to 2^i}; a kernel's keys only where > 3% faster than the previous pick")
-    table[fp8_moe.GEMV_KERNEL] = {"_comment": comment, **old}
+    old = table.get(fp8_moe.GEMV_KERNEL, {})
+    comment = (f"bench/fp8_moe_gemv_sweep.py on {device}: `{command}`; keys e{{E}}_h{{H}}_i{{I}}_k{{slots}}_t{{T up to "
+               "2^i}; a kernel's keys only where > 3% faster than the previous pick")
+    swept = {key: {**old.get(key, {}), **cfg} for key, cfg in entry.items()}  # a key's other kernel's keys kept
+    table = merge(table, {fp8_moe.GEMV_KERNEL: swept}, comment, by_key=True)
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(render(table))
     os.replace(tmp, path)

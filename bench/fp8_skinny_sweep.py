@@ -30,7 +30,6 @@ import math
 import os
 import sys
 import time
-from concurrent.futures import ProcessPoolExecutor, wait
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -42,8 +41,8 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from autotune import render, table_path  # noqa: E402
-from skinny_gemm import rel_err, tickets_clear, time_calls  # noqa: E402
+from autotune import merge, render, table_path  # noqa: E402
+from skinny_gemm import compile_in_workers, rel_err, tickets_clear, time_calls  # noqa: E402
 
 from armillary.kernels import fp8 as ref  # noqa: E402
 from armillary.kernels import tuning  # noqa: E402
@@ -197,16 +196,8 @@ def warm_compile(jobs: list[tuple], workers: int, budget_s: float) -> dict:
             distinct.append((n, k, m, cfg))
     if workers <= 1 or SMOKE:
         return {"specialisations": len(distinct), "compiled_in_workers": 0}
-    import multiprocessing as mp
-
     start = time.time()
-    pool = ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn"), initializer=warm_init)
-    futures = [pool.submit(warm_one, job) for job in distinct]
-    done, pending = wait(futures, timeout=budget_s)
-    pool.shutdown(wait=True, cancel_futures=True)  # the running compiles finish; the rest compile when timed
-    ok = sum(1 for f in done if not f.cancelled() and f.exception() is None and f.result())
-    print(f"warm-up: {ok}/{len(distinct)} specialisations compiled in {workers} processes, "
-          f"{time.time() - start:.0f} s{f' ({len(pending)} left to the timed run)' if pending else ''}", flush=True)
+    ok = compile_in_workers(warm_one, distinct, workers, budget_s, initializer=warm_init)
     return {"specialisations": len(distinct), "compiled_in_workers": ok, "warm_s": time.time() - start}
 
 
@@ -266,17 +257,6 @@ def summarise(row: dict, min_gain: float) -> dict:
         out.update(entry={key: rival["entry"][key] for key in keys}, entry_config=rival["config"],
                    entry_us=rival["us"])
     return out
-
-
-def merged_table(path: Path, entries: dict, comment: str) -> dict:
-    """The table at ``path`` with ``entries`` merged into its ``fp8_skinny`` kernel entry (each key's old keys
-    kept under the new ones, every other key and kernel untouched) and a fresh ``_comment``."""
-    table = json.loads(path.read_text()) if path.exists() else {}
-    old = table.get(fs.KERNEL, {})
-    kernel = {"_comment": comment, **{key: v for key, v in old.items() if key != "_comment"}}
-    for key, entry in entries.items():
-        kernel[key] = {**old.get(key, {}), **entry}
-    return {**table, fs.KERNEL: kernel}
 
 
 def check_written(summaries: list[dict], rows: list[dict]) -> list[str]:
@@ -368,7 +348,8 @@ def main() -> int:
     status = 0
     if args.write:
         path = args.table or Path(table_path(QWEN, "sm_90"))
-        path.write_text(render(merged_table(path, entries, comment)))
+        table = json.loads(path.read_text()) if path.exists() else {}
+        path.write_text(render(merge(table, {fs.KERNEL: entries}, comment, by_key=True)))  # other keys kept
         bad = check_written(results["summary"], results["rows"]) if args.table is None else []
         results["written"] = {"table": str(path), "keys": sorted(entries), "read_back_mismatch": bad}
         print(f"wrote {len(entries)} keys into {path}; read back: {'ok' if not bad else 'MISMATCH ' + str(bad)}",

@@ -145,6 +145,23 @@ def warm_compile(workers: int, shapes: dict[str, tuple[int, int]], row_counts: t
           f"{time.time() - start:.0f} s", flush=True)
 
 
+def compile_in_workers(fn, jobs: list, workers: int, budget_s: float, initializer=None) -> int:
+    """``fn(job)`` for each job in ``workers`` spawned processes (each launch compiles into Triton's disk cache)
+    for at most ``budget_s``; returns how many returned True. The jobs not started by then compile when timed."""
+    import multiprocessing as mp
+    from concurrent.futures import wait
+
+    start = time.time()
+    pool = ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn"), initializer=initializer)
+    futures = [pool.submit(fn, job) for job in jobs]
+    done, pending = wait(futures, timeout=max(1.0, budget_s))
+    pool.shutdown(wait=True, cancel_futures=True)  # the running compiles finish before anything is timed
+    ok = sum(1 for f in done if not f.cancelled() and f.exception() is None and f.result())
+    print(f"warm-up: {ok}/{len(jobs)} compiled in {workers} processes, {time.time() - start:.0f} s"
+          f"{f' ({len(pending)} left to the timed run)' if pending else ''}", flush=True)
+    return ok
+
+
 def time_calls(fn, copies: int) -> tuple[float, list]:
     """µs per call of ``fn(i)`` for i over the weight copies: CALLS+ calls captured in one graph.
     Returns (µs, the outputs the graph writes). Smoke mode: wall clock of eager calls."""

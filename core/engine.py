@@ -128,7 +128,6 @@ class LLMEngine:
         gc.collect()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
-            torch.cuda.reset_peak_memory_stats(self.device)  # the next engine's planner must not see this one's peak
 
     @property
     def model(self):

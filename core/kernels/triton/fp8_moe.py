@@ -28,8 +28,8 @@ import triton.language as tl
 from armillary.kernels import tuning
 from armillary.kernels.activation import act_and_mul, get_activation
 from armillary.kernels.triton.fp8_gemm import act_group, quantize_act
-from armillary.kernels.triton.fp8_skinny import (WIDE_FOLD, fp8_row_products, fp8_row_scales, k_layout, on_gpu,
-                                                 pdl_options)
+from armillary.kernels.triton.fp8_skinny import (WIDE_FOLD, fp8_row_products, fp8_row_scales, fp8_x_tile, k_layout,
+                                                 on_gpu, pdl_options)
 from armillary.kernels.triton.moe_align import moe_align
 from armillary.kernels.triton.pdl import pdl_prologue
 
@@ -115,10 +115,7 @@ def _up_tile(x_row, w_e, s_e, rows, up_rows, gate_blk, up_blk, k0, K, stride_wn,
              GATED: tl.constexpr, EVEN_K: tl.constexpr, NSUB: tl.constexpr, SUB_K: tl.constexpr):
     """One [BN, NSUB, SUB_K] tile at column k0 of the up (and gate) rows, added to the elementwise sums."""
     koff = k0 + tl.arange(0, NSUB)[:, None] * SUB_K + tl.arange(0, SUB_K)[None, :]  # [NSUB, SUB_K]
-    if EVEN_K:
-        x = tl.load(x_row + koff).to(tl.float32)
-    else:
-        x = tl.load(x_row + koff, mask=koff < K, other=0.0).to(tl.float32)
+    x = fp8_x_tile(x_row, koff, K, EVEN_K)
     acc_u += fp8_row_products(w_e, s_e, x, up_rows, up_blk, k0, K, stride_wn, stride_sn, stride_sk,
                               GROUP_N, GROUP_K, K_SCALED, ROWS_SHARE, NSUB, SUB_K, EVEN_K)
     if GATED:
@@ -202,10 +199,7 @@ def _gemv_down_kernel(
         for kt in tl.static_range(K_TILES):
             k0 = kt * NSUB * SUB_K
             koff = k0 + sub[:, None] * SUB_K + kk[None, :]  # [NSUB, SUB_K]
-            if EVEN_K:
-                x = tl.load(h_ptr + pair * stride_hm + koff)
-            else:
-                x = tl.load(h_ptr + pair * stride_hm + koff, mask=koff < K, other=0.0)
+            x = fp8_x_tile(h_ptr + pair * stride_hm, koff, K, EVEN_K)  # h is fp32 already
             part += fp8_row_products(w_e, s_e, x * weight, rows, row_blk, k0, K, stride_wn, stride_sn, stride_sk,
                                      GROUP_N, GROUP_K, K_SCALED, ROWS_SHARE, NSUB, SUB_K, EVEN_K)
         if K_SCALED:

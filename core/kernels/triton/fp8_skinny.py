@@ -102,6 +102,16 @@ def e4m3_to_f32_folded(w):
 
 
 @triton.jit
+def fp8_x_tile(x_row, koff, K, EVEN_K: tl.constexpr):
+    """x at columns ``koff`` ([NSUB, SUB_K]) widened to fp32, zeros past K unless EVEN_K."""
+    if EVEN_K:
+        x = tl.load(x_row + koff).to(tl.float32)
+    else:
+        x = tl.load(x_row + koff, mask=koff < K, other=0.0).to(tl.float32)
+    return x
+
+
+@triton.jit
 def fp8_row_products(w_ptr, s_ptr, x, rows, row_blk, k0, K, stride_wn, stride_sn, stride_sk,
                      GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, K_SCALED: tl.constexpr,
                      ROWS_SHARE: tl.constexpr, NSUB: tl.constexpr, SUB_K: tl.constexpr, EVEN_K: tl.constexpr):
@@ -189,10 +199,7 @@ def _fp8_skinny_kernel(
         for kt in tl.static_range(K_TILES):
             k0 = k_lo + kt * NSUB * SUB_K
             koff = k0 + sub[:, None] * SUB_K + kk[None, :]  # [NSUB, SUB_K]
-            if EVEN_K:
-                x = tl.load(x_row + koff).to(tl.float32)
-            else:
-                x = tl.load(x_row + koff, mask=koff < K, other=0.0).to(tl.float32)
+            x = fp8_x_tile(x_row, koff, K, EVEN_K)
             wide += fp8_row_products(w_ptr, s_ptr, x, rows, row_blk, k0, K, stride_wn, stride_sn, stride_sk,
                                      GROUP_N, GROUP_K, K_SCALED, ROWS_SHARE, NSUB, SUB_K, EVEN_K)
         acc = tl.sum(tl.sum(wide, axis=2), axis=1)[:, None] * WIDE_FOLD  # [BN, 1]
