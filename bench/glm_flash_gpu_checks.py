@@ -1,11 +1,13 @@
 """GLM-4.7-Flash GPU checks: the absorbed MLA decode kernel at the real sizes against the float32 decompressed
 reference, its bandwidth inside a CUDA graph, an optional launch-config sweep, the decode step's other MLA /
-router kernels (q through W_UK fused with the rope store, split combine + W_UV, router logits) against their
+router kernels (q through W_UK fused with the rope store, split combine + W_UV, router logits, q_a_layernorm in
+the q_b GEMV, the one-launch router) against their
 references and timed against the torch / cuBLAS ops they replace, and 2 real-shape layers through the fast
 path against the reference kernels (prints one line per check; JSON to $OUT if set).
 
     python bench/glm_flash_gpu_checks.py            # checks + timings
     python bench/glm_flash_gpu_checks.py --sweep    # also sweep BLOCK_H / BLOCK_N / warps / stages per batch
+    python bench/glm_flash_gpu_checks.py --folds    # only the folded launches (norm_gemv, router_topk); --sweep too
 """
 from __future__ import annotations
 
@@ -21,7 +23,7 @@ import torch
 
 from armillary_glm_flash.ops.mla.decode import DEFAULTS, decode_config, mla_decode
 from armillary_glm_flash.ops.mla.naive import absorb_query, expand_values, mla_decompressed_ref, write_latent
-from glm_flash_kernel_checks import check_step_kernels, time_step_kernels
+from glm_flash_kernel_checks import check_fold_kernels, check_step_kernels, time_fold_kernels, time_step_kernels
 
 HEADS, DL, DR, NOPE, V, PAGE = 20, 512, 64, 192, 256, 16
 RESULTS: dict[str, object] = {}
@@ -150,13 +152,18 @@ def check_layers() -> None:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--folds", action="store_true", help="only the folded launches' checks and timings")
     args = ap.parse_args()
     t = time.perf_counter()
-    check_kernel()
-    time_kernel(args.sweep)
-    check_step_kernels(paged, report)
-    time_step_kernels(paged, report, time_graph, args.sweep)
-    check_layers()
+    if not args.folds:
+        check_kernel()
+        time_kernel(args.sweep)
+        check_step_kernels(paged, report)
+        time_step_kernels(paged, report, time_graph, args.sweep)
+    check_fold_kernels(report)
+    time_fold_kernels(report, time_graph, args.sweep)
+    if not args.folds:
+        check_layers()
     print(f"done in {time.perf_counter() - t:.0f} s", flush=True)
     out = os.environ.get("OUT")
     if out:

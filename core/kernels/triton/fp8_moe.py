@@ -15,7 +15,9 @@ Weights are float8_e4m3fn [E, N, K] with fp32 block scales [E, ceil(N / bn), cei
   is quantized once per row and 128-column group (``fp8_gemm.quantize_act``, one launch), and the
   tiles multiply on the fp8 tensor cores with ``acc += dot · a_scale · w_scale`` per K step, loads
   pipelined through shared memory; the weighted sum over each token's k experts is one torch
-  reduction.
+  reduction. Rows per tile, each GEMM's tile width, warps, stages and GROUP_M swizzle come from the
+  "fp8_moe_grouped" tuning entry (keyed by experts, hidden, intermediate, top-k and rows per expert;
+  ``bench/fp8_moe_grouped_sweep.py`` measures it); BLOCK_K is the 128-column scale group.
 
 Reference: ``armillary.kernels.fp8.fused_moe`` (``quantize_input=True`` for the grouped path).
 """
@@ -43,6 +45,11 @@ GEMV_KERNEL = "fp8_moe_gemv"
 GEMV_DEFAULTS = {"BLOCK_N1": 2, "BLOCK_K1": 1024, "num_warps1": 2, "num_stages1": 1,
                  "BLOCK_N2": 4, "BLOCK_K2": 512, "num_warps2": 4, "num_stages2": 1}
 INTERPRETER_DEFAULTS = {**GEMV_DEFAULTS, "BLOCK_N1": 4, "num_warps1": 4}  # CPU: fewer, larger programs
+GROUPED_KERNEL = "fp8_moe_grouped"
+GROUPED_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)  # avg rows per expert; finer than bf16's (64 streams: r4,
+# their 2-token verify steps: r8). Keys per GEMM, suffix 1 up / 2 down; GROUP_M 0: grid (blocks, N tiles), > 0:
+# that many expert-sorted blocks walk the N tiles together (a 1-D grid)
+_GROUPED_TILE_KEYS = ("BLOCK_N", "num_warps", "num_stages", "GROUP_M")
 _FUSED_ACTS = {"silu": 0, "swish": 0, "relu2": 1, "gelu_pytorch_tanh": 2, "gelu_tanh": 2}
 _IDENTITY = 3
 
@@ -53,10 +60,20 @@ def _grouped_kernel(
     stride_am, stride_we, stride_wn, stride_se, stride_sn, stride_sk, stride_om,
     A_DIV: tl.constexpr, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, ROWS_SHARE: tl.constexpr,
     EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
 ):  # fmt: skip
-    """Grid (max_blocks, cdiv(N, BN)): rows of expert-sorted block ``pid_m``; input row pair // A_DIV of
-    the e4m3 a [A_ROWS, K] with scales as [cdiv(K, BK), A_ROWS]; output row = pair."""
-    pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+    """Grid (max_blocks, cdiv(N, BN)), or (max_blocks · cdiv(N, BN),) with GROUP_M > 0: rows of
+    expert-sorted block ``pid_m``; input row pair // A_DIV of the e4m3 a [A_ROWS, K] with scales as
+    [cdiv(K, BK), A_ROWS]; output row = pair."""
+    if GROUP_M > 0:  # GROUP_M consecutive blocks (mostly one expert) share their a rows across the N tiles in L2
+        pid, n_tiles = tl.program_id(0), tl.cdiv(N, BLOCK_N)
+        per_group = GROUP_M * n_tiles
+        first = (pid // per_group) * GROUP_M
+        group_rows = tl.minimum(tl.num_programs(0) // n_tiles - first, GROUP_M)
+        pid_m = first + (pid % per_group) % group_rows
+        pid_n = (pid % per_group) // group_rows
+    else:
+        pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     e = tl.load(block_expert_ptr + pid_m)
     if e < 0:
         return
@@ -293,41 +310,76 @@ def _gemv_moe(x, w13, s13, w2, s2, block_n, block_k, topk_weights, topk_ids, act
 
 
 def _grouped_gemm(a: torch.Tensor, w: torch.Tensor, s: torch.Tensor, block_n: int, block_k: int, a_div: int,
-                  num_pairs: int, align, block_m: int, out_dtype: torch.dtype) -> torch.Tensor:
-    """Per-pair rows [pairs, N] of ``a[pair // a_div] @ (w[e] · s[e]).T`` with a quantized per 128-group first."""
+                  num_pairs: int, align, out_dtype: torch.dtype, tile: dict) -> torch.Tensor:
+    """Per-pair rows [pairs, N] of ``a[pair // a_div] @ (w[e] · s[e]).T`` with a quantized per 128-group first;
+    ``tile``: BLOCK_N, num_warps, num_stages, GROUP_M of this launch."""
     _, n, k = w.shape
     group = act_group(k, block_k)
     aq, a_s = quantize_act(a, group)  # one launch: e4m3 rows, scales [groups, rows]
     out = torch.empty(num_pairs, n, dtype=out_dtype, device=a.device)
-    gpu = on_gpu(a.device)
-    bn = 128 if gpu else 32
-    warps = 8 if gpu and block_m >= 128 else 4  # 128 x 128 tiles: the dense prefill GEMM's config
-    _grouped_kernel[(align.block_expert.shape[0], triton.cdiv(n, bn))](
+    bn, group_m = tile["BLOCK_N"], tile["GROUP_M"]
+    blocks, n_tiles = align.block_expert.shape[0], triton.cdiv(n, bn)
+    _grouped_kernel[(blocks * n_tiles,) if group_m > 0 else (blocks, n_tiles)](
         aq, a_s, w, s, out, align.sorted_pair_ids, align.block_expert, align.expert_offsets, align.expert_counts,
         a.shape[0], n, k, aq.stride(0), w.stride(0), w.stride(1), s.stride(0), s.stride(1),
         s.stride(2) if s.shape[2] > 1 else 0, out.stride(0), A_DIV=a_div, GROUP_N=block_n,
         GROUP_K=block_k if block_k < k else 1 << 30, ROWS_SHARE=block_n % bn == 0, EVEN_K=k % group == 0,
-        BLOCK_M=block_m, BLOCK_N=bn, BLOCK_K=group, num_warps=warps, num_stages=4 if gpu else 1,
+        BLOCK_M=align.block_m, BLOCK_N=bn, BLOCK_K=group, GROUP_M=group_m, num_warps=tile["num_warps"],
+        num_stages=tile["num_stages"],
     )  # fmt: skip
     return out
 
 
 def grouped_block_m(num_pairs: int, gpu: bool) -> int:
-    """Rows per grouped tile: 64 from 1024 pairs, else 16. (128-row tiles with 8 warps, tried for experts of
-    256+ rows, timed 4215.7 us against 4024.0 us for 64 at a 16K-token prefill on the H200; ``block_m=128``
-    still selects them.)"""
+    """Rows per grouped tile without a table entry: 64 from 1024 pairs, else 16. (128-row tiles with 8 warps,
+    tried for experts of 256+ rows, timed 4215.7 us against 4024.0 us for 64 at a 16K-token prefill on the
+    H200; ``block_m=128`` still selects them.)"""
     if not gpu:
         return 16
     return 64 if num_pairs >= 1024 else 16
 
 
+def grouped_defaults(num_pairs: int, gpu: bool, block_m: int | None = None) -> dict:
+    """The grouped launch without a table entry: ``block_m`` (None: grouped_block_m) rows, 128-wide tiles
+    (32 in the interpreter), 8 warps for 128-row tiles (the dense prefill GEMM's config), else 4; 4 stages."""
+    bm = grouped_block_m(num_pairs, gpu) if block_m is None else block_m
+    bn, warps, stages = (128, 8 if bm >= 128 else 4, 4) if gpu else (32, 4, 1)
+    return {"BLOCK_M": bm, **{f"{key}{gemm}": value for gemm in (1, 2)
+                              for key, value in zip(_GROUPED_TILE_KEYS, (bn, warps, stages, 0))}}
+
+
+def grouped_config_key(num_experts: int, hidden: int, inter: int, top_k: int, num_pairs: int) -> str:
+    """Tuning key: the expert shape, slots per token and average rows per expert rounded up to a
+    GROUPED_BUCKETS bucket (the last one takes everything above it)."""
+    avg = triton.cdiv(num_pairs, num_experts)
+    bucket = next((b for b in GROUPED_BUCKETS if avg <= b), GROUPED_BUCKETS[-1])
+    return f"e{num_experts}_h{hidden}_i{inter}_k{top_k}_r{bucket}"
+
+
+def grouped_config(num_experts: int, hidden: int, inter: int, top_k: int, num_pairs: int,
+                   device: torch.device) -> dict:
+    """Launch parameters of the grouped path: grouped_defaults under the "fp8_moe_grouped" tables."""
+    key = grouped_config_key(num_experts, hidden, inter, top_k, num_pairs)
+    return tuning.kernel_config(TUNING_PACKAGE, GROUPED_KERNEL, key, grouped_defaults(num_pairs, on_gpu(device)),
+                                device)
+
+
+def _grouped_tile(cfg: dict, gemm: int) -> dict:
+    """One GEMM's launch keys out of a grouped config, checked (tl.dot and tl.arange need powers of two)."""
+    tile = {key: cfg[f"{key}{gemm}"] for key in _GROUPED_TILE_KEYS}
+    if tile["BLOCK_N"] < 16 or tile["BLOCK_N"] & (tile["BLOCK_N"] - 1) or tile["GROUP_M"] < 0:
+        raise ValueError(f"fp8 grouped MoE: BLOCK_N{gemm} must be a power of two >= 16 and GROUP_M{gemm} >= 0, "
+                         f"not {tile}")
+    return tile
+
+
 def fp8_fused_moe(x: torch.Tensor, w13: torch.Tensor, s13: torch.Tensor, w2: torch.Tensor, s2: torch.Tensor,
                   block_n: int, block_k: int, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                   activation: str = "silu", grouped: bool | None = None, block_m: int | None = None,
-                  gemv: dict | None = None) -> torch.Tensor:
+                  gemv: dict | None = None, tiles: dict | None = None) -> torch.Tensor:
     """x [T, H] (unit last stride) -> [T, H] in x's dtype; ``grouped`` forces a path (None: by pair count),
-    ``block_m`` the grouped path's rows per tile (None: by rows per expert), ``gemv`` overrides keys of the
-    GEMV path's table config."""
+    ``block_m`` the grouped path's rows per tile with today's tiles for it, no table (None: the table's
+    ``grouped_config``); ``gemv`` / ``tiles`` override keys of the GEMV / grouped path's config (tests, sweeps)."""
     t, k = topk_ids.shape
     inter = w2.shape[2]
     gated = w13.shape[1] == 2 * inter
@@ -338,11 +390,17 @@ def fp8_fused_moe(x: torch.Tensor, w13: torch.Tensor, s13: torch.Tensor, w2: tor
     if not (num_pairs > GEMV_MAX_PAIRS if grouped is None else grouped):
         return _gemv_moe(x, w13, s13, w2, s2, block_n, block_k, topk_weights, topk_ids, activation, gemv)
     if block_m is None:
-        block_m = grouped_block_m(num_pairs, on_gpu(x.device))
-    align = moe_align(topk_ids, w13.shape[0], block_m)
+        cfg = grouped_config(w13.shape[0], x.shape[1], inter, k, num_pairs, x.device)
+    else:
+        cfg = grouped_defaults(num_pairs, on_gpu(x.device), block_m)
+    cfg.update(tiles or {})
+    if cfg["BLOCK_M"] < 16 or cfg["BLOCK_M"] & (cfg["BLOCK_M"] - 1):
+        raise ValueError(f"fp8 grouped MoE: BLOCK_M must be a power of two >= 16, not {cfg['BLOCK_M']}")
+    up, down = _grouped_tile(cfg, 1), _grouped_tile(cfg, 2)
+    align = moe_align(topk_ids, w13.shape[0], cfg["BLOCK_M"])
     # per-pair rows in the model dtype, rounded where the reference's F.linear outputs are
-    h = _grouped_gemm(x, w13, s13, block_n, block_k, k, num_pairs, align, block_m, x.dtype)  # [P, 2I]
+    h = _grouped_gemm(x, w13, s13, block_n, block_k, k, num_pairs, align, x.dtype, up)  # [P, 2I]
     h = act_and_mul(h, activation) if gated else get_activation(activation)(h)  # [P, I]
-    y = _grouped_gemm(h.contiguous(), w2, s2, block_n, block_k, 1, num_pairs, align, block_m, x.dtype)  # [P, H]
+    y = _grouped_gemm(h.contiguous(), w2, s2, block_n, block_k, 1, num_pairs, align, x.dtype, down)  # [P, H]
     out = (y.view(t, k, -1) * topk_weights.float().unsqueeze(-1)).sum(1)  # [T, H]
     return out.to(x.dtype)

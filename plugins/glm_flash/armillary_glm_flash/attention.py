@@ -1,6 +1,7 @@
 """Multi-head latent attention (MLA) of glm4_moe_lite over the paged latent cache.
 
-``q_a_proj`` -> ``q_a_layernorm`` -> ``q_b_proj`` (or one ``q_proj`` without ``q_lora_rank``) gives
+``q_a_proj`` -> ``q_a_layernorm`` -> ``q_b_proj`` (one launch on decode steps, ``ops/norm_gemv.py``; or one
+``q_proj`` without ``q_lora_rank``) gives
 per head ``nope`` + ``rope`` query dims; ``kv_a_proj_with_mqa`` gives the ``kv_lora_rank`` latent
 (normed by ``kv_a_layernorm``) and one rope key shared by all heads; the cache keeps
 ``[latent | rotated rope key]`` per token. Decode runs the absorbed form over latents: on Triton three
@@ -23,8 +24,10 @@ from armillary.layers import (
     RMSNorm,
     RowParallelLinear,
 )
+from armillary.layers.quantization.unquantized import UnquantizedLinearMethod
 from armillary.parallel import get_parallel
 from armillary_glm_flash.config import GlmFlashConfig
+from armillary_glm_flash.ops import norm_gemv
 from armillary_glm_flash.ops.mla.absorb import mla_absorb, mla_absorb_rope_store
 from armillary_glm_flash.ops.mla.expand import mla_decode_values
 from armillary_glm_flash.ops.mla.naive import absorb_query, expand_values, gather_latent, mla_decode_ref, rope_store_ref
@@ -83,15 +86,23 @@ class LatentAttention(nn.Module):
         """Whether the absorbed steps run the Triton kernels (they read ``kv_b_proj.weight`` in x's dtype)."""
         return ops.use_triton(x) and self.kv_b_proj.weight.dtype == x.dtype
 
+    def _q_b(self, q_a: torch.Tensor) -> torch.Tensor:
+        """``q_b_proj(q_a_layernorm(q_a))``: [T, q_lora_rank] -> [T, H · (nope + Dr)]; decode-sized rows of an
+        unquantized ``q_b_proj`` in one launch with the norm fused (``ops/norm_gemv.py``)."""
+        norm, proj = self.q_a_layernorm, self.q_b_proj
+        if isinstance(proj.quant_method, UnquantizedLinearMethod) and norm_gemv.serves(q_a, norm.weight, proj.weight):
+            return norm_gemv.norm_gemv(q_a, norm.weight, norm.eps, proj.weight)
+        return proj(norm(q_a))
+
     def forward(self, x: torch.Tensor, batch: ForwardBatch, cache: LatentCache, cos: torch.Tensor,
                 sin: torch.Tensor) -> torch.Tensor:
         """x: [T, H]; cos, sin: [T, rope // 2] -> [T, H]. Writes the new latents to ``cache``."""
         num_tokens = x.shape[0]
         if self.fused_a:
             q_a, ckv = self.qkv_a_proj(x).split([self.q_lora_rank, self.kv_lora_rank + self.rope], dim=-1)
-            q = self.q_b_proj(self.q_a_layernorm(q_a))
+            q = self._q_b(q_a)
         else:
-            q = self.q_proj(x) if self.q_lora_rank is None else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+            q = self.q_proj(x) if self.q_lora_rank is None else self._q_b(self.q_a_proj(x))
             ckv = self.kv_a_proj_with_mqa(x)  # [T, Dl + Dr]
         q = q.view(num_tokens, self.num_heads, self.nope + self.rope)
         # kv_a_layernorm, rotary on the rope key and (in place) on q's rope dims, the latent store

@@ -2,7 +2,8 @@
 ``n_group`` > 1), routed experts and always-on shared experts in one core ``FusedMoE``.
 
 The router (``gate``) keeps float32 weights and logits, as transformers does (its weight stays
-float32 in a bf16 model); decode rows take ``ops/router.py`` (x widened inside the kernel). Routed
+float32 in a bf16 model); decode rows take ``ops/router_topk.py`` on Triton (logits and top-k in one launch,
+x widened inside the kernel), more rows ``ops/router.py``'s logits then the dispatched ``sigmoid_topk``. Routed
 weights are the chosen experts' unbiased sigmoid scores, renormalised (``norm_topk_prob``) and times
 ``routed_scaling_factor``. The shared MLP (``shared_experts``, ``n_shared_experts ×
 moe_intermediate_size`` wide) is cut into
@@ -21,7 +22,7 @@ from armillary.errors import WeightLoadError
 from armillary.kernels import ops
 from armillary.layers import FusedMoE
 from armillary_glm_flash.config import GlmFlashConfig
-from armillary_glm_flash.ops import router as router_ops
+from armillary_glm_flash.ops import router as router_ops, router_topk
 
 _SHARED = re.compile(r"shared_experts\.(?P<proj>gate|up|down)_proj\.weight")
 
@@ -68,8 +69,17 @@ class MoEBlock(nn.Module):
         return [(f"experts.{param}", part, {"shard_id": m["proj"], "expert_id": self.experts.shared_expert_id(i)})
                 for i, part in enumerate(tensor.split(self.inter, dim=dim))]
 
+    def _fused_router(self, x: torch.Tensor) -> bool:
+        """Whether decode rows take the one-launch router (logits + top-k, ``ops/router_topk.py``)."""
+        return (x.shape[0] <= router_topk.MAX_ROWS and x.stride(-1) == 1 and ops.use_triton(x)
+                and self.gate.weight.is_contiguous())
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [T, H] -> [T, H]."""
+        if self._fused_router(x):
+            weights, ids = router_topk.router_topk(x, self.gate.weight, self.gate.e_score_correction_bias, self.top_k,
+                                                   self.renormalize, self.scaling, self.num_shared, **self.groups)
+            return self.experts(x, weights, ids)
         logits = self.gate(x)  # [T, E] float32
         weights, ids = ops.sigmoid_topk(logits, self.gate.e_score_correction_bias, self.top_k, self.renormalize,
                                         self.scaling, self.num_shared, **self.groups)  # [T, k + S]

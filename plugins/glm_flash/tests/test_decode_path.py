@@ -1,12 +1,13 @@
 """Which kernels a glm4_moe_lite decode step calls: a regression back to cuBLAS or to the torch ops fails here.
 
 A tiny model through the Triton kernels (backend "triton", the interpreter on the CPU): inside each decode
-forward, every linear layer the step uses (all but ``kv_b_proj``) reaches core's skinny GEMM through
-``ops.linear`` (which shapes and row counts it keeps on the H200 is the sm_90 table's call, checked at the
-real shapes by ``test_decode_tables``), each MLA layer makes one ``mla_absorb_rope_store`` (rope / norm /
+forward, every linear layer the step uses (all but ``kv_b_proj`` and ``q_b_proj``) reaches core's skinny GEMM
+through ``ops.linear`` (which shapes and row counts it keeps on the H200 is the sm_90 table's call, checked at
+the real shapes by ``test_decode_tables``), ``q_b_proj`` one ``norm_gemv`` (``q_a_layernorm`` fused), each MLA
+layer makes one ``mla_absorb_rope_store`` (rope / norm /
 store + q through W_UK) and one ``mla_decode_values`` (attention, split combine, W_UV into o_proj's
 layout, through the per-head ``torch.bmm`` where the sm_90 table keeps it) call, each MoE layer's router one
-``router_logits`` launch; no ``F.linear`` or MLA reference op runs, and the greedy tokens still equal transformers'. The other absorbed paths through the same kernels (a verify-shaped step
+``router_topk`` launch (logits and top-k); no ``F.linear`` or MLA reference op runs, and the greedy tokens still equal transformers'. The other absorbed paths through the same kernels (a verify-shaped step
 without host lists; a short chunk after context beside a fresh prompt) equal transformers' logits.
 """
 from __future__ import annotations
@@ -24,7 +25,7 @@ from armillary.kernels.triton import skinny_gemm as tri_sg
 from armillary.layers.linear import LinearBase
 from armillary.testing import StepHarness
 from armillary.testing.compare import assert_logits_close
-from armillary_glm_flash.ops import router as router_ops
+from armillary_glm_flash.ops import norm_gemv, router as router_ops, router_topk
 from plugins.glm_flash.tests.harness import build_engine, glm_registry
 from plugins.glm_flash.tests.hf_models import CASES_BY_NAME, make_reference
 from tests.fixtures.decode_tables import sm90_tables  # noqa: F401  (a fixture)
@@ -73,6 +74,8 @@ def test_decode_step_kernel_path(tmp_path, sm90_tables, monkeypatch):
     for name in ("mla_absorb_rope_store", "mla_absorb", "mla_decode_values", "mla_rope_store"):
         log.wrap(monkeypatch, attention, name)  # the kernels' wrappers, as attention.py calls them
     log.wrap(monkeypatch, router_ops, "router_logits")
+    log.wrap(monkeypatch, router_topk, "router_topk")
+    log.wrap(monkeypatch, norm_gemv, "norm_gemv")
     for name in ("absorb_query", "expand_values", "mla_decode_ref", "rope_store_ref"):
         log.wrap(monkeypatch, attention, name, key=f"reference {name}")
     log.wrap(monkeypatch, F, "linear", key="F.linear")
@@ -87,15 +90,18 @@ def test_decode_step_kernel_path(tmp_path, sm90_tables, monkeypatch):
     model = llm.engine.model
     layers = len(model.model.layers)
     moe_layers = sum(kind == "sparse" for kind in model.config.mlp_layer_types)
+    # q_b_proj takes the norm-fused GEMV (q_a_layernorm inside it), every other projection the skinny GEMM
     used = Counter(tuple(m.weight.shape) for name, m in model.named_modules()
-                   if isinstance(m, LinearBase) and not name.endswith("kv_b_proj") and not name.startswith("mtp"))
+                   if isinstance(m, LinearBase) and not name.endswith(("kv_b_proj", "q_b_proj"))
+                   and not name.startswith("mtp"))
     steps = log.steps
     assert steps >= NEW - 1
     assert log.skinny == Counter({shape: n * steps for shape, n in used.items()})  # every projection, every step
-    # W_UV: the sm_90 table keeps the per-head bmm (the fused combine + W_UV launch timed slower on the H200)
+    # W_UV: the sm_90 table keeps the per-head bmm (the fused combine + W_UV launch timed slower on the H200);
+    # the router's logits and top-k: one launch (router_topk), never router_logits + sigmoid_topk
     assert log.calls == Counter({"skinny_gemm": sum(used.values()) * steps, "mla_absorb_rope_store": layers * steps,
                                  "mla_decode_values": layers * steps, "torch.bmm": layers * steps,
-                                 "router_logits": moe_layers * steps})
+                                 "norm_gemv": layers * steps, "router_topk": moe_layers * steps})
 
 
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")

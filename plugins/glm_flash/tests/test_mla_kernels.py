@@ -153,7 +153,8 @@ def test_rope_store_matches_reference(interleaved, dtype):
 
 def test_decode_launches_fit_sm90_shared_memory():
     """The decode kernel's default and largest swept config, and the absorb / expand / router launches at 1, 8
-    and 64 rows, compiled offline for sm_90 (no GPU): each within its shared memory."""
+    and 64 rows (router_topk and the table's norm_gemv at 1 and 8), compiled offline for sm_90 (no GPU): each
+    within its shared memory."""
     import json
     import os
     import subprocess
@@ -167,7 +168,8 @@ def test_decode_launches_fit_sm90_shared_memory():
     assert proc.returncode == 0, proc.stderr[-2000:]
     rows = json.loads(proc.stdout.strip().splitlines()[-1])
     assert {r["kernel"] for r in rows} == {"_mla_decode_split_kernel", "_mla_combine_kernel", "_mla_absorb_kernel",
-                                          "_mla_expand_kernel", "_router_logits_kernel"}
+                                          "_mla_expand_kernel", "_router_logits_kernel", "_router_topk_kernel",
+                                          "_norm_gemv_kernel"}
     for r in rows:
         assert r["shared"] <= r["limit"], r
     assert max(r["shared"] for r in rows) > 0  # the split kernel stages its tiles in shared memory

@@ -20,14 +20,11 @@ DEFAULTS = {"BLOCK_E": 2, "BLOCK_K": 512, "num_warps": 4, "num_stages": 2}
 
 
 @triton.jit
-def _router_logits_kernel(x_ptr, w_ptr, out_ptr, rows, E, K, stride_xt, stride_we, stride_ot,
-                          BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
-    """Grid (expert blocks, row blocks): out [T, E] float32."""
-    offs_e = tl.program_id(0) * BLOCK_E + tl.arange(0, BLOCK_E)
-    offs_t = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
+def logits_tile(x_ptr, w_ptr, offs_t, offs_e, t_ok, e_ok, K, stride_xt, stride_we,
+                BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Rows ``offs_t`` x experts ``offs_e`` of the float32 logits: [BLOCK_T, BLOCK_E] (also ``router_topk``'s, so
+    both launches give the same bits for the same block sizes)."""
     offs_k = tl.arange(0, BLOCK_K)
-    e_ok = offs_e < E
-    t_ok = offs_t < rows
     wide = tl.zeros([BLOCK_T, BLOCK_E, BLOCK_K], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k = k0 + offs_k
@@ -35,7 +32,18 @@ def _router_logits_kernel(x_ptr, w_ptr, out_ptr, rows, E, K, stride_xt, stride_w
         x = tl.load(x_ptr + offs_t[:, None] * stride_xt + k[None, :], mask=t_ok[:, None] & k_ok[None, :], other=0.0)
         w = tl.load(w_ptr + offs_e[:, None] * stride_we + k[None, :], mask=e_ok[:, None] & k_ok[None, :], other=0.0)
         wide += x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]  # [BT, BE, BK]
-    acc = tl.sum(wide, axis=2)  # [BT, BE]
+    return tl.sum(wide, axis=2)  # [BT, BE]
+
+
+@triton.jit
+def _router_logits_kernel(x_ptr, w_ptr, out_ptr, rows, E, K, stride_xt, stride_we, stride_ot,
+                          BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Grid (expert blocks, row blocks): out [T, E] float32."""
+    offs_e = tl.program_id(0) * BLOCK_E + tl.arange(0, BLOCK_E)
+    offs_t = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
+    e_ok = offs_e < E
+    t_ok = offs_t < rows
+    acc = logits_tile(x_ptr, w_ptr, offs_t, offs_e, t_ok, e_ok, K, stride_xt, stride_we, BLOCK_T, BLOCK_E, BLOCK_K)
     tl.store(out_ptr + offs_t[:, None] * stride_ot + offs_e[None, :], acc, mask=t_ok[:, None] & e_ok[None, :])
 
 
@@ -44,6 +52,12 @@ def router_config(num_experts: int, hidden: int, rows: int, device: torch.device
     (rounded up to a power of two)."""
     key = f"e{num_experts}_k{hidden}_m{triton.next_power_of_2(max(rows, 1))}"
     return kernel_config(PACKAGE, "router_logits", key, DEFAULTS, device)
+
+
+def logits_blocks(cfg: dict, rows: int, k: int) -> tuple[int, int, int]:
+    """(BLOCK_T, BLOCK_E, BLOCK_K) of a logits launch from its config."""
+    block_t = min(triton.next_power_of_2(rows), 4)  # [BT, BE, BK] products stay within a few registers a lane
+    return block_t, cfg["BLOCK_E"], min(cfg["BLOCK_K"], triton.next_power_of_2(k))
 
 
 def router_logits_ref(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -63,9 +77,7 @@ def router_logits(x: torch.Tensor, weight: torch.Tensor, config: dict | None = N
     if rows == 0:
         return out
     cfg = dict(router_config(experts, k, rows, x.device) if config is None else config)
-    block_t = min(triton.next_power_of_2(rows), 4)  # [BT, BE, BK] products stay within a few registers a lane
-    block_e = cfg["BLOCK_E"]
-    block_k = min(cfg["BLOCK_K"], triton.next_power_of_2(k))
+    block_t, block_e, block_k = logits_blocks(cfg, rows, k)
     grid = (triton.cdiv(experts, block_e), triton.cdiv(rows, block_t))
     _router_logits_kernel[grid](x, weight, out, rows, experts, k, x.stride(0), weight.stride(0), out.stride(0),
                                 BLOCK_T=block_t, BLOCK_E=block_e, BLOCK_K=block_k, num_warps=cfg["num_warps"],

@@ -1,0 +1,150 @@
+"""The fp8 grouped (prefill) MoE under table-driven launch configs: today's tiles without a table, a table entry reaching the launch, non-default tiles against the reference, and bench/fp8_moe_grouped_sweep.py's smoke run with its --write and --merge."""
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from armillary.kernels import fp8 as ref
+from armillary.kernels import tuning
+from armillary.kernels.triton import fp8_moe, fp8_skinny
+
+ROOT = Path(__file__).resolve().parents[1]
+T, ROUTED, K, H, I = 20, 5, 2, 160, 96  # K routed slots + the shared expert (id ROUTED) last; 60 pairs, r16
+KEY = "e6_h160_i96_k3_r16"
+TODAY_GPU = {"BLOCK_N1": 128, "num_warps1": 4, "num_stages1": 4, "GROUP_M1": 0,
+             "BLOCK_N2": 128, "num_warps2": 4, "num_stages2": 4, "GROUP_M2": 0}  # fmt: skip
+
+
+def _ratio(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+def _moe(block: tuple[int, int], seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    w13, s13 = ref.quantize_blocks(torch.randn(ROUTED + 1, 2 * I, H, generator=g) * 0.1, *block)
+    w2, s2 = ref.quantize_blocks(torch.randn(ROUTED + 1, H, I, generator=g) * 0.1, *block)
+    x = torch.randn(T, H, generator=g)
+    routed = torch.stack([torch.randperm(ROUTED, generator=g)[:K] for _ in range(T)])
+    ids = torch.cat((routed, torch.full((T, 1), ROUTED)), dim=1).to(torch.int32)  # [T, K + 1]
+    weights = torch.rand(T, K + 1, generator=g)
+    return x, w13, s13, w2, s2, *block, weights, ids
+
+
+def _set_table(monkeypatch, table: dict) -> None:  # a fresh function each time: kernel_config's memo keys on it
+    monkeypatch.setattr(tuning, "load_table", lambda package, target: table)
+
+
+class _Spy:
+    """Stands in for ``_grouped_kernel``: records each launch's grid and launch keys, then runs it."""
+
+    def __init__(self, kernel) -> None:
+        self.kernel, self.launches = kernel, []
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            keys = ("BLOCK_M", "BLOCK_N", "GROUP_M", "num_warps", "num_stages")
+            self.launches.append({"grid": grid, **{k: kwargs[k] for k in keys}})
+            return self.kernel[grid](*args, **kwargs)
+        return launch
+
+
+def test_defaults_are_todays_tiles(monkeypatch):
+    assert fp8_moe.grouped_config_key(257, 2048, 512, 9, 64 * 9) == "e257_h2048_i512_k9_r4"
+    assert fp8_moe.grouped_config_key(257, 2048, 512, 9, 2048 * 9) == "e257_h2048_i512_k9_r128"
+    assert fp8_moe.grouped_config_key(257, 2048, 512, 9, 16384 * 9) == "e257_h2048_i512_k9_r512"  # 574: the last
+    _set_table(monkeypatch, {})
+    cpu = torch.device("cpu")
+    assert fp8_moe.grouped_config(6, H, I, 3, 60, cpu) == {
+        "BLOCK_M": 16, "BLOCK_N1": 32, "num_warps1": 4, "num_stages1": 1, "GROUP_M1": 0,
+        "BLOCK_N2": 32, "num_warps2": 4, "num_stages2": 1, "GROUP_M2": 0}  # fmt: skip
+    monkeypatch.setattr(fp8_skinny, "OFFLINE_SM_COUNT", 132)  # GPU launch configs without a GPU
+    assert fp8_moe.grouped_config(257, 2048, 512, 9, 576, cpu) == {"BLOCK_M": 16, **TODAY_GPU}
+    assert fp8_moe.grouped_config(257, 2048, 512, 9, 1024, cpu) == {"BLOCK_M": 64, **TODAY_GPU}
+    eight = {**TODAY_GPU, "num_warps1": 8, "num_warps2": 8}  # block_m=128: the 8-warp tiles, as before
+    assert fp8_moe.grouped_defaults(147456, True, 128) == {"BLOCK_M": 128, **eight}
+
+
+def test_table_entry_reaches_the_launch(monkeypatch):
+    entry = {"BLOCK_M": 32, "BLOCK_N1": 64, "num_warps1": 2, "GROUP_M1": 3, "BLOCK_N2": 16, "num_stages2": 2}
+    _set_table(monkeypatch, {"fp8_moe_grouped": {"_comment": "test", KEY: entry, "e6_h160_i96_k3_r8": {"BLOCK_M": 7}}})
+    spy = _Spy(fp8_moe._grouped_kernel)
+    monkeypatch.setattr(fp8_moe, "_grouped_kernel", spy)
+    args = _moe((16, 32), seed=1)
+    out = fp8_moe.fp8_fused_moe(*args, "silu", grouped=True)
+    up, down = spy.launches
+    assert {k: up[k] for k in ("BLOCK_M", "BLOCK_N", "GROUP_M", "num_warps", "num_stages")} == \
+        {"BLOCK_M": 32, "BLOCK_N": 64, "GROUP_M": 3, "num_warps": 2, "num_stages": 1}
+    assert {k: down[k] for k in ("BLOCK_M", "BLOCK_N", "GROUP_M", "num_warps", "num_stages")} == \
+        {"BLOCK_M": 32, "BLOCK_N": 16, "GROUP_M": 0, "num_warps": 4, "num_stages": 2}
+    assert len(up["grid"]) == 1 and len(down["grid"]) == 2  # the swizzle's 1-D grid; (blocks, N tiles) without
+    assert down["grid"][1] == -(-H // 16) and up["grid"][0] == down["grid"][0] * -(-2 * I // 64)
+    want = ref.fused_moe(*args, "silu", quantize_input=True)
+    assert _ratio(out, want) < 1e-5
+    spy.launches.clear()
+    fp8_moe.fp8_fused_moe(*args, "silu", grouped=True, block_m=16)  # an explicit block_m: today's tiles, no table
+    assert [(la["BLOCK_M"], la["BLOCK_N"], la["GROUP_M"]) for la in spy.launches] == [(16, 32, 0)] * 2
+    x, w13, s13, w2, s2, bn, bk, weights, ids = args
+    with pytest.raises(ValueError, match="BLOCK_M must be a power of two"):  # 12 tokens read r8: its bad value shows
+        fp8_moe.fp8_fused_moe(x[:12], w13, s13, w2, s2, bn, bk, weights[:12], ids[:12], "silu", grouped=True)
+
+
+@pytest.mark.parametrize("block,tiles", [
+    ((16, 32), {"BLOCK_M": 32, "BLOCK_N1": 16, "GROUP_M1": 2, "BLOCK_N2": 64, "GROUP_M2": 5}),
+    ((128, 128), {"BLOCK_M": 16, "BLOCK_N1": 64, "num_stages1": 2, "BLOCK_N2": 256, "GROUP_M2": 1}),
+])  # fmt: skip
+def test_non_default_tiles_match_reference(block, tiles):
+    """Tiles narrower and wider than the scale block (per-column scales past it), a swizzle over blocks that
+    do not divide it, N tiles past I and H."""
+    args = _moe(block, seed=len(tiles))
+    out = fp8_moe.fp8_fused_moe(*args, "silu", grouped=True, tiles=tiles)
+    assert _ratio(out, ref.fused_moe(*args, "silu", quantize_input=True)) < 1e-5
+
+
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory) -> tuple[Path, dict]:
+    """One smoke run with --write into a copy of core's sm_90 table; every bucket gets its best candidate."""
+    out = tmp_path_factory.mktemp("fp8_moe_grouped_sweep")
+    shutil.copy(ROOT / "core" / "kernels" / "tuning" / "sm_90.json", out / "table.json")
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "fp8_moe_grouped_sweep.py"), "--tiny", "--device",
+                           "cpu", "--out", str(out), "--write", "--table", str(out / "table.json"), "--min-gain=-1000"],
+                          capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return out, json.loads((out / "fp8_moe_grouped_sweep.json").read_text())
+
+
+def test_smoke_sweep_checks_and_writes(smoke):
+    out, result = smoke
+    assert [r["key"] for r in result["results"]] == ["e6_h80_i48_k3_r2", "e6_h80_i48_k3_r16"]
+    rows = [row for r in result["results"] for row in r["rows"]]
+    assert all(row["ok"] and row["err"] <= 1e-2 for row in rows), [row for row in rows if not row["ok"]]
+    assert {row["config"]["BLOCK_M"] for row in rows} == {16, 32}
+    assert {row["config"]["GROUP_M1"] for row in rows} == {0, 2}
+    entry = json.loads((out / "fp8_moe_grouped_table.json").read_text())["fp8_moe_grouped"]
+    assert set(entry) == {"e6_h80_i48_k3_r2", "e6_h80_i48_k3_r16"}
+    assert all(set(cfg) == set(fp8_moe.grouped_defaults(1, False)) and cfg != r["default"]
+               for cfg, r in zip(entry.values(), result["results"]))
+    shipped = json.loads((ROOT / "core" / "kernels" / "tuning" / "sm_90.json").read_text())
+    merged = json.loads((out / "table.json").read_text())
+    assert {k: v for k, v in merged.items() if k != "fp8_moe_grouped"} == shipped  # every other kernel untouched
+    assert {k: v for k, v in merged["fp8_moe_grouped"].items() if k != "_comment"} == entry
+    assert merged["fp8_moe_grouped"]["_comment"].startswith("bench/fp8_moe_grouped_sweep.py on cpu-interpreter")
+
+
+def test_merge_keeps_other_keys(smoke, tmp_path):
+    """--merge (no sweep): the run's keys into a table that already has another key of the kernel."""
+    out, _ = smoke
+    table = tmp_path / "table.json"
+    table.write_text(json.dumps({"fp8_moe_grouped": {"e9_h1_i1_k1_r1": {"BLOCK_M": 64}}, "other": {"default": {}}}))
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "fp8_moe_grouped_sweep.py"), "--merge",
+                           str(out / "fp8_moe_grouped_table.json"), "--table", str(table)],
+                          capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    merged = json.loads(table.read_text())
+    assert merged["other"] == {"default": {}}
+    assert set(merged["fp8_moe_grouped"]) == {"_comment", "e9_h1_i1_k1_r1", "e6_h80_i48_k3_r2", "e6_h80_i48_k3_r16"}
