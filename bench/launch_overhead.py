@@ -70,9 +70,33 @@ def triton_paths(dev: torch.device, calls: int) -> None:
         report("  + stream lookup per call", host_us(lambda: (torch.cuda.current_stream(dev).cuda_stream, direct()), calls))
     except Exception as exc:  # noqa: BLE001 - the launcher's signature differs in this Triton
         print(f"direct run: {type(exc).__name__}: {exc}", flush=True)
-    ptrs = [b.data_ptr() for b in bufs]
     report("  6 x data_ptr()", host_us(lambda: [b.data_ptr() for b in bufs], calls))
-    del ptrs
+    launcher_parts(dev, bufs, ints, calls)
+
+
+def launcher_parts(dev: torch.device, bufs: list, ints: tuple, calls: int) -> None:
+    """The steps of ``JITFunction.run`` one by one (Triton's internals: a step this Triton lacks is skipped)."""
+    from triton.runtime import driver
+
+    steps = {
+        "driver current device": lambda: driver.active.get_current_device(),
+        "driver current stream": lambda: driver.active.get_current_stream(0),
+        "torch._C._cuda_getCurrentRawStream": lambda: torch._C._cuda_getCurrentRawStream(0),
+    }
+    try:
+        binder = _touch.device_caches[0][-1]  # (kernel cache, ..., backend, binder) per device
+        steps["binder (bind + specialize)"] = lambda: binder(*bufs, *ints, BLOCK=64, FLAG=True)
+        _, spec, opts = binder(*bufs, *ints, BLOCK=64, FLAG=True)
+        steps["str(specialization) + str(options)"] = lambda: (tuple(spec), str(opts))
+    except Exception as exc:  # noqa: BLE001 - internals differ in this Triton
+        print(f"binder: {type(exc).__name__}: {exc}", flush=True)
+    kernel = _touch[(1,)](*bufs, *ints, BLOCK=64, FLAG=True)
+    steps["kernel.launch_metadata"] = lambda: kernel.launch_metadata((1,), 0, *bufs, *ints, 64, True)
+    for name, fn in steps.items():
+        try:
+            report(f"  {name}", host_us(fn, calls))
+        except Exception as exc:  # noqa: BLE001
+            print(f"  {name}: {type(exc).__name__}: {exc}", flush=True)
 
 
 def torch_paths(dev: torch.device, calls: int) -> None:
@@ -96,6 +120,11 @@ def core_wrappers(dev: torch.device, calls: int) -> None:
     report("core fused_add_rms_norm (1 row)", host_us(lambda: norm.fused_add_rms_norm(x, r, wn, 1e-6), calls))
     w = torch.randn(256, h, device=dev, dtype=torch.bfloat16)
     report("core skinny_gemm (1 x 2048 -> 256)", host_us(lambda: skinny_gemm.skinny_gemm(x, w), calls))
+    from armillary.kernels.triton import pdl
+
+    report("  pdl.launch_options", host_us(lambda: pdl.launch_options(dev), calls))
+    report("  norm.launch_config", host_us(lambda: norm.launch_config(2048, dev), calls))
+    report("  torch.empty(x.shape, like x)", host_us(lambda: torch.empty(x.shape, dtype=x.dtype, device=x.device), calls))
 
 
 def main() -> int:
