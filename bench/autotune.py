@@ -66,8 +66,10 @@ SWEEPS = [
     # FP8 decode (block-fp8 checkpoints): entries only where the sweep beat the current pick, so keys merge
     Sweep("fp8_skinny_sweep.py", [], QWEN, "fp8_skinny_table.json", lambda r: r, by_key=True),
     Sweep("fp8_moe_gemv_sweep.py", [], QWEN, "fp8_moe_gemv_table.json", lambda r: r, by_key=True),
-    # keys carry the whole expert shape (e257_h2048_i512_k9_r4), so they live in core's table
-    Sweep("fp8_moe_grouped_sweep.py", [], "armillary.kernels", "fp8_moe_grouped_table.json", lambda r: r, by_key=True),
+    Sweep("fp8_moe_grouped_sweep.py", [], QWEN, "fp8_moe_grouped_table.json", lambda r: r, by_key=True),
+    # NVFP4 decode (weight-only e2m1 checkpoints), the same way
+    Sweep("fp4_skinny_sweep.py", [], QWEN, "fp4_skinny_table.json", lambda r: r, by_key=True),
+    Sweep("fp4_moe_gemv_sweep.py", [], QWEN, "fp4_moe_gemv_table.json", lambda r: r, by_key=True),
 ]
 
 

@@ -3,7 +3,7 @@
     python bench/fp8_moe_grouped_sweep.py --deadline-s 110           # H200: Qwen3.6 FP8 experts, JSON to $OUT
     python bench/fp8_moe_grouped_sweep.py --model nemotron           # a plugin model's expert shape, fp8 blocks
     python bench/fp8_moe_grouped_sweep.py --merge DIR/fp8_moe_grouped_table.json   # no GPU: merge a GPU run's
-                                                                     # entry into core's tuning/sm_90.json
+                                                                     # entry into that model's plugin's tuning/sm_90.json
     python bench/fp8_moe_grouped_sweep.py --tiny --device cpu --write --out DIR   # CPU interpreter (or --smoke):
                                                                      # tiny shapes, the merge into DIR/sm_90.json
 
@@ -43,10 +43,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from armillary.kernels import fp8 as ref  # noqa: E402
 from armillary.kernels.triton import fp8_moe  # noqa: E402
 from autotune import merge, render, table_path  # noqa: E402
-from decode_shapes import MODELS, MoeShape, moe_shapes  # noqa: E402
+from decode_shapes import MODELS, PACKAGES, MoeShape, moe_shapes  # noqa: E402
 from skinny_gemm import compile_in_workers, time_calls  # noqa: E402
 
-CORE = fp8_moe.TUNING_PACKAGE  # the table the entries go to: core's (the keys carry the expert shape)
 DEVICE = "cpu" if SMOKE else "cuda"
 DTYPE = torch.float32 if SMOKE else torch.bfloat16  # the interpreter miscomputes bf16
 QWEN = MoeShape(experts=257, shared=1, pairs=9, hidden=2048, inter=512, activation="silu", gated=True)
@@ -277,7 +276,7 @@ def main() -> None:
     ap.add_argument("--min-gain", type=float, default=0.03, help="a winner must beat the defaults by this")
     ap.add_argument("--workers", type=int, default=1 if SMOKE else min(12, os.cpu_count() or 1))
     ap.add_argument("--write", action="store_true", help="merge the entries into --table")
-    ap.add_argument("--table", type=Path, help="the table --write merges into (default: core's tuning/sm_90.json; "
+    ap.add_argument("--table", type=Path, help="the table --write merges into (default: the model's plugin's tuning/sm_90.json; "
                                                "off the GPU a copy of it in --out)")
     ap.add_argument("--merge", type=Path, help="merge this fp8_moe_grouped_table.json into --table; no sweep")
     args = ap.parse_args()
@@ -287,7 +286,7 @@ def main() -> None:
         entry = json.loads(args.merge.read_text())[fp8_moe.GROUPED_KERNEL]
         info = json.loads(args.merge.with_name("fp8_moe_grouped_sweep.json").read_text())
         if entry:
-            write_table(entry, args.table or table_path(CORE, "sm_90"), " ".join(
+            write_table(entry, args.table or table_path(PACKAGES[info["model"]], "sm_90"), " ".join(
                 ["python bench/fp8_moe_grouped_sweep.py", *info["argv"]]), info["device"])
         return
     if not args.out:
@@ -324,10 +323,10 @@ def main() -> None:
               f"{r['best_us']:.1f} us vs the defaults {r['default_us']:.1f} us ({r['speedup']:.3f}x)", flush=True)
     print(f'"{fp8_moe.GROUPED_KERNEL}" entry ({len(entry)} keys): {json.dumps(entry)}')
     if args.write and entry:
-        path = args.table or table_path(CORE, "sm_90")
+        path = args.table or table_path(PACKAGES[args.model], "sm_90")
         if SMOKE and args.table is None:  # interpreter timings never reach the package: a copy takes the merge
             path = out / "sm_90.json"
-            path.write_text(table_path(CORE, "sm_90").read_text())
+            path.write_text(table_path(PACKAGES[args.model], "sm_90").read_text())
         write_table(entry, path, " ".join(["python bench/fp8_moe_grouped_sweep.py", *sys.argv[1:]]), info["device"])
     elif args.write:
         print("--write: no winner beats the defaults by the margin; the table stays as it is")

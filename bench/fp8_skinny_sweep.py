@@ -42,7 +42,8 @@ import torch.nn.functional as F  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from autotune import merge, render, table_path  # noqa: E402
-from skinny_gemm import compile_in_workers, rel_err, tickets_clear, time_calls  # noqa: E402
+from skinny_gemm import compile_in_workers, rel_err, time_calls  # noqa: E402
+from sweep_checks import checked_timing  # noqa: E402
 
 from armillary.kernels import fp8 as ref  # noqa: E402
 from armillary.kernels import tuning  # noqa: E402
@@ -203,17 +204,8 @@ def warm_compile(jobs: list[tuple], workers: int, budget_s: float) -> dict:
 
 def time_config(x, weights, cfg: dict, want: torch.Tensor, tol: float, gbps) -> dict:
     """One launch config: µs per call in a graph, error, bit-stability, tickets; ``ok`` when it may count."""
-    row: dict = {}
-    try:
-        eager = fs.fp8_skinny_gemm(x, *weights[0], BLOCK, BLOCK, config=cfg)
-        again = fs.fp8_skinny_gemm(x, *weights[0], BLOCK, BLOCK, config=cfg)
-        us, outs = time_calls(lambda i: fs.fp8_skinny_gemm(x, *weights[i], BLOCK, BLOCK, config=cfg), len(weights))
-        same = all(torch.equal(eager, o) for o in [again, *outs[:: len(weights)]])  # calls and graph replays
-        row.update(us=us, GBps=gbps(us), err=rel_err(eager, want), stable=bool(same), tickets_clear=tickets_clear())
-        row["ok"] = row["stable"] and row["tickets_clear"] and row["err"] <= tol
-    except Exception as e:  # a config that does not compile or fit: report it, keep going
-        row.update(ok=False, error=f"{type(e).__name__}: {str(e)[:300]}")
-    return row
+    return checked_timing(lambda i: fs.fp8_skinny_gemm(x, *weights[i], BLOCK, BLOCK, config=cfg), len(weights), want,
+                          tol, gbps)
 
 
 def sweep_shape(names: list[str], n: int, k: int, m: int, weights, dense, deadline: float) -> dict:

@@ -9,8 +9,8 @@ Phases (``--phase``, comma-separated; one line per figure, JSON to ``$OUT/nvfp4_
   GEMM and bf16 cuBLAS (TFLOP/s); the fused MoE at 1 / 8 / 64 / 2048 tokens, NVFP4 (GEMV / grouped,
   and unpacked experts + the bf16 MoE) vs FP8 vs bf16 Triton. Timings replay CUDA graphs
   over rotated weight copies (HBM, not L2), as bench/fp8_gpu_checks.py.
-- ``sweep``: launch configs of the M = 1 NVFP4 GEMV per projection (BLOCK_N, BLOCK_K, warps): the
-  fastest, as the ``fp4_skinny`` table entry to paste into core/kernels/tuning/sm_90.json.
+- ``sweep``: bench/fp4_skinny_sweep.py and bench/fp4_moe_gemv_sweep.py (the ``fp4_skinny`` / ``fp4_moe_gemv``
+  launch tables; their ``--write`` merges into the Qwen plugin's tuning/sm_90.json), results under $OUT.
 - ``speed``: the engine on random weights (``load_format="dummy"``) for bf16, FP8 (``fp8_block``)
   and NVFP4 (``quantization="nvfp4"``: the bf16 weights quantized while loading), bf16 KV for all:
   batch-1 decode (1K prompt, 256 new), 64 streams (1K prompt, 128 new), 16K prefill, the weights'
@@ -40,7 +40,7 @@ from qwen_bench import Ours, copy_bandwidth, real_config  # noqa: E402
 
 from armillary.kernels import fp4 as ref  # noqa: E402
 from armillary.kernels import fp8 as fp8_ref  # noqa: E402
-from armillary.kernels.triton import fp4_gemm, fp4_gemv, fp4_moe, fp8_gemm, fp8_moe  # noqa: E402
+from armillary.kernels.triton import fp4_gemm, fp4_moe, fp8_gemm, fp8_moe  # noqa: E402
 from armillary.kernels.triton import moe as bf16_moe  # noqa: E402
 
 RESULTS: dict[str, float] = {}
@@ -139,32 +139,17 @@ def moe_kernels(dev: str, tiny: bool, act: torch.dtype) -> None:
 
 
 def phase_sweep(dev: str, tiny: bool) -> None:
-    linears = {"attn_o": (96, 160)} if tiny else LINEARS
-    entries = {}
-    for name, (n, k) in linears.items():
-        count = copies(n * k * FP4_BYTES, tiny)
-        ws = weights(n, k, dev, count)["fp4"]
-        x = torch.randn(1, k, device=dev, dtype=torch.bfloat16 if not tiny else torch.float16)
-        best = None
-        for bn in (8, 16, 32):
-            for bk in (512, 1024, 2048):
-                for warps in (2, 4, 8):
-                    cfg = dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=warps)
-                    saved = fp4_gemv.lookup_config  # decode_config derives split-K from the table entry
-                    fp4_gemv.lookup_config = lambda rows, n_, k_, device=None, cfg=cfg: {**fp4_gemv.DEFAULTS, **cfg}
-                    try:
-                        us = bench_us(lambda i: fp4_gemv.fp4_skinny_gemm(x, *ws[i % count]), count * 4)
-                    except Exception as exc:  # a config that does not compile is skipped, with a line
-                        print(f"  {name} {cfg}: {type(exc).__name__} {str(exc)[:100]}", flush=True)
-                        continue
-                    finally:
-                        fp4_gemv.lookup_config = saved
-                    if best is None or us < best[0]:
-                        best = (us, cfg)
-        if best:
-            report(f"sweep fp4 GEMV {name} M=1 best us", best[0], json.dumps(best[1]))
-            entries[fp4_gemv.config_key(1, n, k)] = best[1]
-    print("fp4_skinny table entries: " + json.dumps(entries), flush=True)
+    """The NVFP4 decode launch-table sweeps, each in its own process (bench/fp4_skinny_sweep.py: the GEMV at
+    M = 1..8; bench/fp4_moe_gemv_sweep.py: the MoE GEMV at T = 1, 2, 4); results under $OUT, nothing written
+    into the tables (run a sweep with --write for that)."""
+    import subprocess
+
+    root = Path(os.environ.get("OUT") or tempfile.mkdtemp(prefix="nvfp4_sweep_"))
+    for script in ("fp4_skinny_sweep.py", "fp4_moe_gemv_sweep.py"):
+        cmd = [sys.executable, str(Path(__file__).with_name(script)), "--out", str(root / Path(script).stem),
+               "--device", dev, "--deadline-s", "110", *(["--tiny", "--tokens", "1"] if tiny else [])]
+        print("$", " ".join(cmd[1:]), flush=True)
+        report(f"sweep {script} exit status", subprocess.run(cmd).returncode, str(root / Path(script).stem))
 
 
 def decode_bytes(cfg: dict, batch: int, context: int, per_weight: float) -> float:

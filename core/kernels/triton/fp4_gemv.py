@@ -18,7 +18,7 @@ cost is the unpacking, which is done with integer bit moves, never a table or a 
 
 Split K (shapes with few row tiles), the deterministic last-arriver sum and PDL are skinny_gemm's
 / fp8_skinny's. ``dequantize`` unpacks a whole weight (or stack of experts) into a dtype in one
-launch with the same bit moves (the prefill ``dequant`` variants of fp4_gemm / fp4_moe). Launch configs: the ``fp4_skinny`` entries of core's tuning tables.
+launch with the same bit moves (the prefill ``dequant`` variants of fp4_gemm / fp4_moe). Launch configs: the ``fp4_skinny`` entries of core's tuning tables (bench/fp4_skinny_sweep.py).
 Reference: ``armillary.kernels.fp4.linear``.
 """
 from __future__ import annotations

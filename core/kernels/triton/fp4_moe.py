@@ -4,7 +4,8 @@ Experts as ``armillary.kernels.fp4.fused_moe`` takes them: w13 uint8 [E, 2I or I
 [gate | up]), s13 e4m3 [E, 2I or I, H / 16], g13 fp32 [E, 2I or I]; w2 uint8 [E, H, I / 2], s2
 [E, H, I / 16], g2 [E, H]. Weight-only: activations stay in x's dtype (h in fp32 on the GEMV path).
 
-- GEMV (up to GEMV_MAX_PAIRS (token, expert) pairs), fp8_moe's two launches with fp4_gemv's
+- GEMV (up to GEMV_MAX_PAIRS (token, expert) pairs; launch configs: the ``fp4_moe_gemv`` tuning entries, up
+  and down kernels apart), fp8_moe's two launches with fp4_gemv's
   one-row unpacking: the up kernel, a program per (pair, BLOCK_N rows), streams the gate and up
   rows of its expert as int32 words (8 codes each, 16-byte loads), the group scale applied once
   per word, and stores act(gate · x) · (up · x) in fp32; the down kernel, a program per (token,
@@ -29,13 +30,19 @@ import triton.language as tl
 from armillary.kernels.activation import act_and_mul, get_activation
 from armillary.kernels import tuning
 from armillary.kernels.triton.fp4_gemv import FOLD, as_words, dequant_halves, dequantize, word_products
-from armillary.kernels.triton.fp8_moe import _FUSED_ACTS, _IDENTITY, _act
+from armillary.kernels.triton.fp8_moe import _FUSED_ACTS, _IDENTITY, _act, gemv_config_key
 from armillary.kernels.triton.fp8_skinny import on_gpu, pdl_options
 from armillary.kernels.triton.moe_align import moe_align
 from armillary.kernels.triton.pdl import pdl_prologue
 
 GEMV_MAX_PAIRS = 64  # at most this many (token, expert) pairs take the GEMV path
 DEFAULTS = {"dequant_min_pairs": 0}  # the ``fp4_moe`` tuning entry: 0 never dequantizes whole experts
+TUNING_PACKAGE = "armillary.kernels"
+GEMV_KERNEL = "fp4_moe_gemv"
+# BLOCK_N1 / BLOCK_N2: weight rows per program (up: that many gate rows and as many up rows); BLOCK_K1 /
+# BLOCK_K2: the K tile in weight columns (8 per int32 word), a power of two >= 16; the K loops are unrolled
+GEMV_DEFAULTS = {"BLOCK_N1": 4, "BLOCK_K1": 2048, "num_warps1": 2, "BLOCK_N2": 8, "BLOCK_K2": 1024, "num_warps2": 4}
+INTERPRETER_DEFAULTS = {**GEMV_DEFAULTS, "num_warps1": 4, "BLOCK_N2": 4}  # CPU: today's interpreter picks
 
 
 @triton.jit
@@ -170,36 +177,67 @@ def _gemv_meta(k: int, bn: int, width: int) -> dict:
     return dict(EVEN_K=k % bk == 0, K_TILES=tiles, BLOCK_N=bn, BLOCK_K=bk)
 
 
-def _gemv_moe(x, w13, s13, g13, w2, s2, g2, topk_weights, topk_ids, activation: str) -> torch.Tensor:
-    """Decode: up kernel (GEMM 1, the activation fused when it is one of fp8_moe's), down kernel (GEMM 2 and
-    the weighted sum); every chosen expert's packed weights streamed once."""
+def gemv_config(num_experts: int, hidden: int, inter: int, top_k: int, tokens: int, device: torch.device) -> dict:
+    """Launch parameters of both GEMV kernels: GEMV_DEFAULTS (INTERPRETER_DEFAULTS off the GPU) under the
+    ``fp4_moe_gemv`` entries (keys as fp8_moe's ``gemv_config_key``: tokens rounded up to a power of two)."""
+    defaults = GEMV_DEFAULTS if on_gpu(device) else INTERPRETER_DEFAULTS
+    return tuning.kernel_config(TUNING_PACKAGE, GEMV_KERNEL, gemv_config_key(num_experts, hidden, inter, top_k, tokens),
+                                defaults, device if on_gpu(device) else None)
+
+
+def gemv_up(x: torch.Tensor, w13: torch.Tensor, s13: torch.Tensor, g13: torch.Tensor, topk_ids: torch.Tensor,
+            h: torch.Tensor, activation: str | None, cfg: dict) -> None:
+    """h[p] (fp32, written) = act(gate_e x[p // k]) · up_e x[p // k] when ``activation`` is fused and h [P, I]
+    of a gated w13 [E, 2I, H / 2]; else h [P, rows] = act(w13_e x) (``activation`` None: the rows as they
+    are). s13 / g13 contiguous (g13 fp32), topk_ids [T, k] contiguous."""
+    k = topk_ids.shape[1]
+    rows = h.shape[1]
+    gated = activation is not None and w13.shape[1] == 2 * rows  # [gate | up] fused (unfused: h holds all rows)
+    act = _FUSED_ACTS[activation] if activation is not None else _IDENTITY
+    w = as_words(w13)  # [E, 2I or I, H / 8] int32
+    bn = cfg["BLOCK_N1"]
+    _gemv_up_kernel[(topk_ids.numel(), triton.cdiv(rows, bn))](
+        x, w, s13, g13, h, topk_ids, rows, x.shape[1], x.stride(0), w.stride(0), w.stride(1), s13.stride(0),
+        s13.stride(1), g13.stride(0), h.stride(0), A_DIV=k, GATED=gated, ACT=act, num_warps=cfg["num_warps1"],
+        num_stages=1, **_gemv_meta(x.shape[1], bn, cfg["BLOCK_K1"]), **pdl_options(x.device))  # fmt: skip
+
+
+def gemv_down(h: torch.Tensor, w2: torch.Tensor, s2: torch.Tensor, g2: torch.Tensor, topk_ids: torch.Tensor,
+              weights: torch.Tensor, out: torch.Tensor, cfg: dict) -> None:
+    """out[t] (written) = Σ_j weights[t, j] · w2[ids[t, j]] · h[t · k + j]: h fp32 [T · k, I], topk_ids and
+    weights (fp32) [T, k] contiguous, s2 / g2 (fp32) contiguous, out [T, H]."""
     t, k = topk_ids.shape
     hidden, inter = w2.shape[1], 2 * w2.shape[2]
+    w = as_words(w2)  # [E, H, I / 8] int32
+    bn = cfg["BLOCK_N2"]
+    _gemv_down_kernel[(t, triton.cdiv(hidden, bn))](
+        h, w, s2, g2, out, topk_ids, weights, hidden, inter, h.stride(0), w.stride(0), w.stride(1), s2.stride(0),
+        s2.stride(1), g2.stride(0), out.stride(0), TOP_K=k, num_warps=cfg["num_warps2"], num_stages=1,
+        **_gemv_meta(inter, bn, cfg["BLOCK_K2"]), **pdl_options(out.device))  # fmt: skip
+
+
+def _gemv_moe(x, w13, s13, g13, w2, s2, g2, topk_weights, topk_ids, activation: str,
+              config: dict | None = None) -> torch.Tensor:
+    """Decode: up kernel (GEMM 1, the activation fused when it is one of fp8_moe's), down kernel (GEMM 2 and
+    the weighted sum); every chosen expert's packed weights streamed once. ``config`` overrides keys of the
+    table's ``gemv_config`` (tests, sweeps)."""
+    t, k = topk_ids.shape
+    hidden, inter = w2.shape[1], 2 * w2.shape[2]
+    cfg = {**gemv_config(w13.shape[0], hidden, inter, k, t, x.device), **(config or {})}
     gated = w13.shape[1] == 2 * inter
-    gpu = on_gpu(x.device)
     fused = activation in _FUSED_ACTS
-    ids = topk_ids.reshape(-1).contiguous()
+    ids = topk_ids.contiguous()
     up_rows = inter if fused else w13.shape[1]  # unfused: every w13 row through, the activation in torch
-    bn1, bn2 = (4, 8) if gpu else (4, 4)
-    w13w, w2w = as_words(w13), as_words(w2)
     s13, s2 = s13.contiguous(), s2.contiguous()
     g13, g2 = g13.float().contiguous(), g2.float().contiguous()
     h = torch.empty(t * k, up_rows, dtype=torch.float32, device=x.device)  # [P, I] (or [P, 2I] unfused)
-    opts = pdl_options(x.device)
-    _gemv_up_kernel[(t * k, triton.cdiv(up_rows, bn1))](
-        x, w13w, s13, g13, h, ids, up_rows, x.shape[1], x.stride(0), w13w.stride(0), w13w.stride(1), s13.stride(0),
-        s13.stride(1), g13.stride(0), h.stride(0), A_DIV=k, GATED=gated and fused,
-        ACT=_FUSED_ACTS[activation] if fused else _IDENTITY, num_warps=2 if gpu else 4, num_stages=1,
-        **_gemv_meta(x.shape[1], bn1, 2048), **opts)  # fmt: skip
+    gemv_up(x, w13, s13, g13, ids, h, activation if fused else None, cfg)
     if not fused:
         h = act_and_mul(h, activation) if gated else get_activation(activation)(h)  # [P, I] fp32
         h = h.contiguous()
     out = torch.empty(t, hidden, dtype=x.dtype, device=x.device)
-    weights = topk_weights.float().reshape(-1).contiguous()
-    _gemv_down_kernel[(t, triton.cdiv(hidden, bn2))](
-        h, w2w, s2, g2, out, ids, weights, hidden, inter, h.stride(0), w2w.stride(0), w2w.stride(1), s2.stride(0),
-        s2.stride(1), g2.stride(0), out.stride(0), TOP_K=k, num_warps=4 if gpu else 4, num_stages=1,
-        **_gemv_meta(inter, bn2, 1024), **opts)  # fmt: skip
+    weights = topk_weights.float().contiguous()  # [T, k]
+    gemv_down(h, w2, s2, g2, ids, weights, out, cfg)
     return out
 
 
@@ -223,9 +261,11 @@ def _grouped_gemm(a: torch.Tensor, w: torch.Tensor, s: torch.Tensor, g: torch.Te
 
 def fp4_fused_moe(x: torch.Tensor, w13: torch.Tensor, s13: torch.Tensor, g13: torch.Tensor, w2: torch.Tensor,
                   s2: torch.Tensor, g2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-                  activation: str = "silu", grouped: bool | str | None = None) -> torch.Tensor:
+                  activation: str = "silu", grouped: bool | str | None = None,
+                  gemv: dict | None = None) -> torch.Tensor:
     """``interfaces.Fp4FusedMoE``: x [T, H] (unit last stride) -> [T, H] in x's dtype; ``grouped`` forces a
-    path (False: GEMV, True: grouped, "dequant": unpacked experts and the bf16 MoE; None: by pair count)."""
+    path (False: GEMV, True: grouped, "dequant": unpacked experts and the bf16 MoE; None: by pair count);
+    ``gemv`` overrides keys of the GEMV path's ``gemv_config`` (tests, sweeps)."""
     t, k = topk_ids.shape
     e, rows13, half_h = w13.shape
     inter = 2 * w2.shape[2]
@@ -241,7 +281,7 @@ def fp4_fused_moe(x: torch.Tensor, w13: torch.Tensor, s13: torch.Tensor, g13: to
         return x.new_zeros(x.shape)
     x = x.contiguous()
     if not (num_pairs > GEMV_MAX_PAIRS if grouped is None else grouped):
-        return _gemv_moe(x, w13, s13, g13, w2, s2, g2, topk_weights, topk_ids, activation)
+        return _gemv_moe(x, w13, s13, g13, w2, s2, g2, topk_weights, topk_ids, activation, gemv)
     dequant_from = tuning.kernel_config("armillary.kernels", "fp4_moe", "default", DEFAULTS,
                                         x.device if on_gpu(x.device) else None)["dequant_min_pairs"]
     if grouped == "dequant" or (grouped is None and dequant_from and num_pairs >= dequant_from):

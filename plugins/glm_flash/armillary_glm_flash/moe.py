@@ -71,8 +71,8 @@ class MoEBlock(nn.Module):
 
     def _fused_router(self, x: torch.Tensor) -> bool:
         """Whether decode rows take the one-launch router (logits + top-k, ``ops/router_topk.py``)."""
-        return (x.shape[0] <= router_topk.MAX_ROWS and x.stride(-1) == 1 and ops.use_triton(x)
-                and self.gate.weight.is_contiguous())
+        return (x.stride(-1) == 1 and ops.use_triton(x) and self.gate.weight.is_contiguous()
+                and x.shape[0] <= router_topk.max_rows(x.device))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [T, H] -> [T, H]."""

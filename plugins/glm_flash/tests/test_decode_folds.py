@@ -99,3 +99,15 @@ def test_router_topk_ties_pick_lower_ids():
     assert ids.tolist() == [[0, 1, 2, 8]] * 2  # every group and expert ties: the first ones, then the shared one
     with pytest.raises(ValueError, match="at most"):
         router_topk(torch.zeros(MAX_ROWS + 1, 63, device=DEVICE), w, bias, 3, True)
+
+
+def test_router_topk_row_limit_comes_from_the_table(monkeypatch):
+    """Without a table every decode-sized step takes the one launch; the sm_90 table turns it off (timed slower
+    on the H200), so the MoE block keeps router_logits + sigmoid_topk there."""
+    from armillary.kernels import tuning
+    from armillary_glm_flash.ops import router_topk as rt
+
+    assert rt.max_rows(torch.device("cpu")) == MAX_ROWS
+    monkeypatch.setattr(tuning, "device_target", lambda device=None: "sm_90")
+    monkeypatch.setattr(tuning, "gpu_name", lambda device=None: None)
+    assert rt.max_rows(torch.device("cpu")) == 0

@@ -9,7 +9,8 @@ ticket to 0 so the next call (or a CUDA-graph replay) starts from zero. The rout
 ``_route_kernel`` row by row written over a row axis: every argmax breaks ties to the lower index as
 there (groups, then experts), so the ids equal the two-launch path's exactly, ties included. Returns
 (weights [T, k + S] float32, ids [T, k + S] int32), S shared columns E.. with weight 1. Few rows only
-(``MAX_ROWS``); the caller keeps the pair for more. Grid and buffers follow host shapes: CUDA-graph safe.
+(``MAX_ROWS``; the ``router_topk`` tuning entry's ``max_rows`` lowers it per GPU, 0 turning it off); the caller
+keeps the pair for more. Grid and buffers follow host shapes: CUDA-graph safe.
 """
 from __future__ import annotations
 
@@ -17,11 +18,20 @@ import torch
 import triton
 import triton.language as tl
 
+from armillary.kernels import tuning
 from armillary.kernels.triton.device_buffers import ticket_buffer
 from armillary.kernels.triton.pdl import launch_options, pdl_prologue
 from armillary_glm_flash.ops.router import logits_blocks, logits_tile, router_config
 
 MAX_ROWS = 8  # decode-sized: the last program routes every row, so its [rows, E] tiles stay small
+PACKAGE = "armillary_glm_flash"
+KERNEL = "router_topk"
+DEFAULTS = {"max_rows": MAX_ROWS}
+
+
+def max_rows(device: torch.device) -> int:
+    """Up to how many rows this GPU's tables send through the one launch (0: never; at most ``MAX_ROWS``)."""
+    return min(MAX_ROWS, int(tuning.kernel_config(PACKAGE, KERNEL, "default", DEFAULTS, device)["max_rows"]))
 
 
 @triton.jit
