@@ -183,6 +183,7 @@ def weight_bytes(model: torch.nn.Module) -> int:
 
 def phase_speed(path: Path, cfg: dict, args, bw: float, s: int) -> None:
     kinds = {"bf16": {}, "fp8": dict(quantization="fp8_block"), "nvfp4": dict(quantization="nvfp4")}
+    kinds = {kind: kinds[kind] for kind in args.kinds.split(",")}
     per_weight = {"bf16": 2.0, "fp8": 1 + 4 / 128 ** 2, "nvfp4": FP4_BYTES}
     memory, decode = {}, {}
     for kind, kw in kinds.items():
@@ -225,6 +226,7 @@ def main() -> int:
     ap.add_argument("--tiny", action="store_true", help="tiny sizes: checks the driver, measures nothing real")
     ap.add_argument("--phase", default="kernels")
     ap.add_argument("--eager", action="store_true")
+    ap.add_argument("--kinds", default="bf16,fp8,nvfp4", help="speed: the engines to run, comma-separated")
     args = ap.parse_args()
     bw = copy_bandwidth(args.device)
     report("copy bandwidth GB/s", bw / 1e9)
