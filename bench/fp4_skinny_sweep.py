@@ -215,7 +215,7 @@ def main() -> int:
     ap.add_argument("--tiny", action="store_true", help="tiny shapes, two candidates a path: the plumbing only")
     ap.add_argument("--write", action="store_true", help="merge the entry into the Qwen plugin's tuning/sm_90.json")
     ap.add_argument("--table", type=Path, default=None, help="the table --write merges into (default: the installed "
-                    "armillary/kernels/tuning/sm_90.json)")
+                    "Qwen plugin's tuning/sm_90.json)")
     ap.add_argument("--min-gain", type=float, default=0.03, help="a key's best must beat the current pick by this")
     ap.add_argument("--deadline-s", type=float, default=120.0, help="stop timing candidates after this; write anyway")
     ap.add_argument("--workers", type=int, default=min(12, os.cpu_count() or 1), help="compile processes")
