@@ -1,7 +1,8 @@
 """Launch-config sweep of the NVFP4 MoE decode GEMV (up and down kernels apart) at the Qwen3.6-35B-A3B expert shape, in CUDA graphs, bf16 moe_gemv as the same-run reference.
 
-    python bench/fp4_moe_gemv_sweep.py --deadline-s 110          # H200: JSON to $OUT (or --out DIR)
-    python bench/fp4_moe_gemv_sweep.py --deadline-s 110 --write  # also merge the winners into the Qwen plugin's tuning/sm_90.json
+    python bench/fp4_moe_gemv_sweep.py --workers 16              # H200: JSON to $OUT (or --out DIR)
+    python bench/fp4_moe_gemv_sweep.py --workers 16 --write      # also merge the winners into the Qwen plugin's tuning/sm_90.json
+    python bench/fp4_moe_gemv_sweep.py --merge DIR/fp4_moe_gemv_table.json   # no GPU: merge a GPU run's entry
     python bench/fp4_moe_gemv_sweep.py --tiny --device cpu --out DIR [--write --table T]   # CPU interpreter smoke
 
 Shape: ``decode_shapes.moe_shapes("qwen")`` (H 2048, I 512, 256 routed experts + the shared one as id 256,
@@ -224,6 +225,18 @@ def write_table(entry: dict, path: Path, command: str, device: str) -> None:
     print(f"merged {sorted(entry)} into {path}", flush=True)
 
 
+def merge_result(table_file: Path, table: Path) -> None:
+    """--merge: a GPU run's entry into ``table``, stamped with that run's device and command."""
+    entry = json.loads(table_file.read_text())[fp4_moe.GEMV_KERNEL]
+    run = table_file.with_name("fp4_moe_gemv_sweep.json")
+    info = json.loads(run.read_text()) if run.exists() else {}
+    if not entry:
+        print(f"{table_file}: an empty entry; the table stays as it is")
+        return
+    write_table(entry, table, " ".join(["python bench/fp4_moe_gemv_sweep.py", *info.get("argv", ["?"])]),
+                info.get("device", "unknown GPU"))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default=os.environ.get("OUT"), help="results folder (default $OUT)")
@@ -232,10 +245,15 @@ def main() -> None:
     parser.add_argument("--write", action="store_true", help="merge the entry into the Qwen plugin's tuning/sm_90.json")
     parser.add_argument("--table", type=Path, default=None, help="the table --write merges into")
     parser.add_argument("--min-gain", type=float, default=0.03, help="a kernel's best must beat the current by this")
-    parser.add_argument("--deadline-s", type=float, default=110.0)
+    parser.add_argument("--deadline-s", type=float, default=240.0, help="the H200 compiles the 120 configs in ~90 s")
+    parser.add_argument("--merge", type=Path, help="merge this fp4_moe_gemv_table.json into --table (default: the "
+                                                   "Qwen plugin's); no sweep")
     parser.add_argument("--tokens", default=",".join(map(str, TOKENS)))
     parser.add_argument("--workers", type=int, default=1 if CPU else 12)
     args = parser.parse_args()
+    if args.merge:
+        merge_result(args.merge, args.table or table_path(QWEN, "sm_90"))
+        return
     if not args.out:
         parser.error("--out or $OUT is required")
     if args.write and CPU and args.table is None:

@@ -138,3 +138,13 @@ def test_moe_gemv_sweep_smoke_writes_its_entry(tmp_path):
     merged = json.loads((tmp_path / "sm_90.json").read_text())
     assert merged["fp4_moe_gemv"]["e6_h80_i48_k3_t1"] == entry["e6_h80_i48_k3_t1"]
     _others_kept(merged, "fp4_moe_gemv")
+    other = tmp_path / "other.json"  # --merge (no sweep): the run's key beside a key already there
+    other.write_text(json.dumps({"fp4_moe_gemv": {"e9_h1_i1_k1_t1": {"BLOCK_N2": 2}}, "fp4_skinny": {"default": {}}}))
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "fp4_moe_gemv_sweep.py"), "--merge",
+                           str(tmp_path / "fp4_moe_gemv_table.json"), "--table", str(other)],
+                          capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    got = json.loads(other.read_text())
+    assert got["fp4_skinny"] == {"default": {}} and got["fp4_moe_gemv"]["e9_h1_i1_k1_t1"] == {"BLOCK_N2": 2}
+    assert got["fp4_moe_gemv"]["e6_h80_i48_k3_t1"] == entry["e6_h80_i48_k3_t1"]
+    assert got["fp4_moe_gemv"]["_comment"].startswith("bench/fp4_moe_gemv_sweep.py on cpu-interpreter")
