@@ -30,7 +30,6 @@ import math
 import os
 import sys
 import time
-from contextlib import contextmanager
 from pathlib import Path
 
 SMOKE = "--smoke" in sys.argv
@@ -41,9 +40,9 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from autotune import merge, render, table_path  # noqa: E402
+from autotune import table_path  # noqa: E402
 from skinny_gemm import compile_in_workers, rel_err, time_calls  # noqa: E402
-from sweep_checks import checked_timing  # noqa: E402
+from sweep_checks import SkinnySweep, add_sweep_arguments, checked_timing, output_folder, patched_lookup  # noqa: E402
 
 from armillary.kernels import fp8 as ref  # noqa: E402
 from armillary.kernels import tuning  # noqa: E402
@@ -120,20 +119,9 @@ def fp8_decode_shapes(tiny: bool) -> dict[tuple[int, int], list[str]]:
     return shapes
 
 
-@contextmanager
-def patched_entry(entry: dict):
-    """``fp8_skinny.lookup_config`` answers with ``entry`` over the tables' answer (``decode_config`` derives)."""
-    saved = fs.lookup_config
-    fs.lookup_config = lambda rows, n, k, device=None: {**saved(rows, n, k, device), **entry}
-    try:
-        yield
-    finally:
-        fs.lookup_config = saved
-
-
 def derive(m: int, n: int, k: int, entry: dict | None = None) -> dict:
     """The launch keys ``decode_config`` gives with ``entry`` in the table (None: the tables as they are)."""
-    with patched_entry(entry or {}):
+    with patched_lookup(fs, entry or {}):
         return fs.decode_config(m, n, k, BLOCK, BLOCK, DEVICE)
 
 
@@ -251,17 +239,6 @@ def summarise(row: dict, min_gain: float) -> dict:
     return out
 
 
-def check_written(summaries: list[dict], rows: list[dict]) -> list[str]:
-    """After ``--write``: the tables as a new process reads them give each written key its winner's launch keys."""
-    tuning.load_table.cache_clear()
-    tuning._CONFIGS.clear()  # kernel_config's memo of the tables' answers
-    bad = []
-    for s, row in zip(summaries, rows):
-        if "entry" in s and derive(row["M"], row["N"], row["K"]) != s["entry_config"]:
-            bad.append(s["key"])
-    return bad
-
-
 def report_line(row: dict, s: dict) -> str:
     """One (shape, M): the current pick, the best counted config and bf16 cuBLAS, µs and GB/s."""
     fmt = lambda v: f"{v:8.2f}" if v is not None else "       -"  # noqa: E731
@@ -280,23 +257,11 @@ def device_name() -> str:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", default=os.environ.get("OUT"), help="results folder (default $OUT)")
+    add_sweep_arguments(ap, 150.0)
     ap.add_argument("--smoke", action="store_true", help="CPU interpreter: tiny shapes, the plumbing only")
-    ap.add_argument("--write", action="store_true", help="merge the entry into the Qwen plugin's tuning/sm_90.json")
-    ap.add_argument("--table", type=Path, default=None, help="the table --write merges into (default: the installed "
-                    "armillary_qwen_gdn_moe/tuning/sm_90.json)")
-    ap.add_argument("--min-gain", type=float, default=0.03, help="a key's best must beat the current pick by this")
-    ap.add_argument("--deadline-s", type=float, default=150.0, help="stop timing candidates after this; write anyway")
-    ap.add_argument("--workers", type=int, default=min(12, os.cpu_count() or 1), help="compile processes")
     args = ap.parse_args()
-    if not args.out:
-        ap.error("--out or $OUT is required")
-    if args.write and SMOKE and args.table is None:
-        ap.error("--smoke --write needs --table: interpreter timings must not reach the package's table")
     start = time.time()
-    deadline = start + args.deadline_s
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    out = output_folder(ap, args, SMOKE)
     tuning.use_packages((QWEN,))  # the tables as the served Qwen model reads them
     import triton
 
@@ -310,47 +275,10 @@ def main() -> int:
                "pdl": pdl_enabled(DEVICE), "command": " ".join(sys.argv), "date": str(datetime.date.today()),
                "model_shapes": {f"n{n}_k{k}": names for (n, k), names in model_shapes.items()},
                "rows": [], "summary": []}
-    weights, dense = {}, {}
-    for i, (n, k) in enumerate(shapes):
-        copies = max(2, math.ceil(ROTATE_BYTES / (n * k)))
-        weights[(n, k)] = make_weights(n, k, copies, seed=i)
-        dense[(n, k)] = [ref.dequantize(q, s, BLOCK, BLOCK, DTYPE) for q, s in weights[(n, k)]]
-    jobs = [(n, k, m, cfg) for m in ROWS for (n, k) in shapes
-            for cfg in [derive(m, n, k)] + [c for _, c in candidates(m, n, k, derive(m, n, k))]]
-    print(f"{len(jobs)} configs to time over {len(shapes)} shapes x M {ROWS}; PDL {'on' if results['pdl'] else 'off'}",
-          flush=True)
-    results["warm_up"] = warm_compile(jobs, args.workers, 0.6 * max(0.0, deadline - time.time()))
-    for m in ROWS:  # every shape at M = 1 first: a short deadline cuts the larger M
-        for (n, k), names in shapes.items():
-            row = sweep_shape(names, n, k, m, weights[(n, k)], dense[(n, k)], deadline)
-            s = summarise(row, args.min_gain)
-            results["rows"].append(row)
-            results["summary"].append(s)
-            print(report_line(row, s), flush=True)
-            (out / "fp8_skinny_sweep.json").write_text(json.dumps(results, indent=1))
-    entries = {s["key"]: s["entry"] for s in results["summary"] if "entry" in s}
-    gains = ", ".join(f"{s['key']} {s['current_us']:.1f} -> {s['entry_us']:.1f} us" for s in results["summary"]
-                      if "entry" in s and s["current_us"] is not None)
-    comment = (f"bench/fp8_skinny_sweep.py on {device_name()} ({results['date']}, PDL "
-               f"{'on' if results['pdl'] else 'off'}): {' '.join(['python', *sys.argv])}; keys n{{N}}_k{{K}}_m{{rows "
-               f"rounded up to 2^i}} where the best beat the table pick by > {100 * args.min_gain:g}%: "
-               f"{gains or 'none'}")
-    (out / "fp8_skinny_table.json").write_text(json.dumps({fs.KERNEL: {"_comment": comment, **entries}}, indent=1))
-    print(f"tuning entry ({len(entries)} keys): {json.dumps({fs.KERNEL: entries})}", flush=True)
-    status = 0
-    if args.write:
-        path = args.table or Path(table_path(QWEN, "sm_90"))
-        table = json.loads(path.read_text()) if path.exists() else {}
-        path.write_text(render(merge(table, {fs.KERNEL: entries}, comment, by_key=True)))  # other keys kept
-        bad = check_written(results["summary"], results["rows"]) if args.table is None else []
-        results["written"] = {"table": str(path), "keys": sorted(entries), "read_back_mismatch": bad}
-        print(f"wrote {len(entries)} keys into {path}; read back: {'ok' if not bad else 'MISMATCH ' + str(bad)}",
-              flush=True)
-        status = 1 if bad else 0
-    results["elapsed_s"] = time.time() - start
-    (out / "fp8_skinny_sweep.json").write_text(json.dumps(results, indent=1))
-    print(f"done in {results['elapsed_s']:.0f} s -> {out}", flush=True)
-    return status
+    sweep = SkinnySweep("fp8_skinny_sweep.py", fs.KERNEL, ROWS, ROTATE_BYTES, lambda n, k: n * k, make_weights,
+                        lambda w: ref.dequantize(*w, BLOCK, BLOCK, DTYPE), derive, candidates, warm_compile,
+                        sweep_shape, summarise, report_line)
+    return sweep.run(shapes, results, args, out, args.table or Path(table_path(QWEN, "sm_90")), start)
 
 
 if __name__ == "__main__":
