@@ -1,4 +1,7 @@
-"""What the skinny decode-GEMV sweeps share (fp8_skinny_sweep, fp4_skinny_sweep): the checked timing of one launch config (µs per call in a CUDA graph, error, bit-stability across calls and graph replays, split-K tickets back at 0), a table pick patched in, and the sweep-and-write driver over shapes x M."""
+"""What the skinny decode-GEMV sweeps share (fp8_skinny_sweep, fp4_skinny_sweep): the checked timing of one launch config, a table pick patched in, their options, and the sweep-and-write driver over shapes x M.
+
+A config's timing is µs per call in a CUDA graph, its error, bit-stability across calls and graph replays, and
+split-K tickets back at 0."""
 from __future__ import annotations
 
 import argparse
