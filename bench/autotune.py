@@ -67,9 +67,10 @@ SWEEPS = [
     Sweep("fp8_skinny_sweep.py", [], QWEN, "fp8_skinny_table.json", lambda r: r, by_key=True),
     Sweep("fp8_moe_gemv_sweep.py", [], QWEN, "fp8_moe_gemv_table.json", lambda r: r, by_key=True),
     Sweep("fp8_moe_grouped_sweep.py", [], QWEN, "fp8_moe_grouped_table.json", lambda r: r, by_key=True),
-    # NVFP4 decode (weight-only e2m1 checkpoints), the same way
+    # NVFP4 decode and grouped MoE (weight-only e2m1 checkpoints), the same way
     Sweep("fp4_skinny_sweep.py", [], QWEN, "fp4_skinny_table.json", lambda r: r, by_key=True),
     Sweep("fp4_moe_gemv_sweep.py", [], QWEN, "fp4_moe_gemv_table.json", lambda r: r, by_key=True),
+    Sweep("fp4_moe_grouped_sweep.py", [], QWEN, "fp4_moe_grouped_table.json", lambda r: r, by_key=True),
 ]
 
 

@@ -92,8 +92,8 @@ def steady_steps(ours, label: str, rows: int) -> str:
     return text
 
 
-def prefill(ours, n: int, rows: int) -> str:
-    """TTFT of a fresh n-token prompt (median of 5 after 2 warm-ups), then one profiled."""
+def prefill(ours, n: int, rows: int, profiled: bool = True) -> str:
+    """TTFT of a fresh n-token prompt (median of 5 after 2 warm-ups), then (``profiled``) three profiled."""
     from armillary import SamplingParams
 
     eng = ours.engine
@@ -114,7 +114,10 @@ def prefill(ours, n: int, rows: int) -> str:
     for _ in range(2):
         first_token()
     ttft = statistics.median(first_token() for _ in range(5))
-    return f"prefill {n}: TTFT {ttft * 1e3:.2f} ms\n" + _profile(first_token, 3, rows) + "\n" + _host(first_token, rows)
+    head = f"prefill {n}: TTFT {ttft * 1e3:.2f} ms ({n / ttft:.0f} tok/s)\n"
+    if not profiled:
+        return head
+    return head + _profile(first_token, 3, rows) + "\n" + _host(first_token, rows)
 
 
 def _host(fn, rows: int) -> str:
@@ -150,6 +153,7 @@ def main() -> None:
     ap.add_argument("--rows", type=int, default=30)
     ap.add_argument("--fp8", action="store_true", help="weights quantized to 128x128 block fp8 and an fp8 KV cache, "
                     "as fp8_bench.py runs them")
+    ap.add_argument("--no-profile", action="store_true", help="timings only (prefill: its TTFT), no profiler tables")
     ap.add_argument("--out")
     args = ap.parse_args()
     cfg, Ours = _model(args.model)
@@ -171,7 +175,7 @@ def main() -> None:
         elif sc == "verify":
             lines.append(verify(ours, args.rows))
         elif sc.startswith("prefill:"):
-            lines.append(prefill(ours, int(sc.split(":")[1]), args.rows))
+            lines.append(prefill(ours, int(sc.split(":")[1]), args.rows, not args.no_profile))
         print(lines[-1], flush=True)
     if args.out:
         Path(args.out).write_text("\n".join(lines) + "\n")

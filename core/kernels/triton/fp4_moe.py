@@ -14,7 +14,10 @@ Experts as ``armillary.kernels.fp4.fused_moe`` takes them: w13 uint8 [E, 2I or I
 - grouped (prefill): rows sorted by expert into BLOCK_M blocks (``moe_align``), each weight tile
   unpacked to x's dtype times its group scales (``fp4_gemv.dequant_halves``: low / high halves
   against the rows' even / odd columns) for ``tl.dot``, loads pipelined; the weighted sum over
-  each token's k experts is one torch reduction.
+  each token's k experts is one torch reduction. Rows per tile, each GEMM's weight tile (BLOCK_N x
+  BLOCK_K), warps and stages come from the "fp4_moe_grouped" tuning entry (keyed as fp8_moe's grouped
+  entry: experts, hidden, intermediate, top-k and rows per expert; ``bench/fp4_moe_grouped_sweep.py``
+  measures it).
 - dequant (prefill, from ``dequant_min_pairs`` pairs in the ``fp4_moe`` tuning entry; 0: never):
   every expert unpacked once into x's dtype (``fp4_gemv.dequantize``) and core's bf16 Triton MoE,
   which pays the unpacking once per call instead of once per row block.
@@ -30,7 +33,7 @@ import triton.language as tl
 from armillary.kernels.activation import act_and_mul, get_activation
 from armillary.kernels import tuning
 from armillary.kernels.triton.fp4_gemv import FOLD, as_words, dequant_halves, dequantize, word_products
-from armillary.kernels.triton.fp8_moe import _FUSED_ACTS, _IDENTITY, _act, gemv_config_key
+from armillary.kernels.triton.fp8_moe import _FUSED_ACTS, _IDENTITY, _act, gemv_config_key, grouped_config_key
 from armillary.kernels.triton.fp8_skinny import on_gpu, pdl_options
 from armillary.kernels.triton.moe_align import moe_align
 from armillary.kernels.triton.pdl import pdl_prologue
@@ -43,6 +46,10 @@ GEMV_KERNEL = "fp4_moe_gemv"
 # BLOCK_K2: the K tile in weight columns (8 per int32 word), a power of two >= 16; the K loops are unrolled
 GEMV_DEFAULTS = {"BLOCK_N1": 4, "BLOCK_K1": 2048, "num_warps1": 2, "BLOCK_N2": 8, "BLOCK_K2": 1024, "num_warps2": 4}
 INTERPRETER_DEFAULTS = {**GEMV_DEFAULTS, "num_warps1": 4, "BLOCK_N2": 4}  # CPU: today's interpreter picks
+GROUPED_KERNEL = "fp4_moe_grouped"
+# keys per GEMM, suffix 1 up / 2 down: BLOCK_N weight rows and BLOCK_K columns per tile (a power of two >= 32: whole
+# 16-column scale groups, >= 16 packed bytes), warps and stages; keyed by rows-per-expert bucket as fp8_moe's
+_GROUPED_TILE_KEYS = ("BLOCK_N", "BLOCK_K", "num_warps", "num_stages")
 
 
 @triton.jit
@@ -242,30 +249,62 @@ def _gemv_moe(x, w13, s13, g13, w2, s2, g2, topk_weights, topk_ids, activation: 
 
 
 def _grouped_gemm(a: torch.Tensor, w: torch.Tensor, s: torch.Tensor, g: torch.Tensor, a_div: int, num_pairs: int,
-                  align, block_m: int) -> torch.Tensor:
-    """Per-pair rows [pairs, N] of ``a[pair // a_div] @ W[e].T`` in a's dtype."""
+                  align, tile: dict) -> torch.Tensor:
+    """Per-pair rows [pairs, N] of ``a[pair // a_div] @ W[e].T`` in a's dtype; ``tile``: BLOCK_N, BLOCK_K,
+    num_warps, num_stages of this launch (BLOCK_M is the alignment's)."""
     _, n, half = w.shape
     k = 2 * half
     out = torch.empty(num_pairs, n, dtype=a.dtype, device=a.device)
-    gpu = on_gpu(a.device)
-    bn, bk = (128, 64) if gpu else (32, 32)
+    bn, bk = tile["BLOCK_N"], tile["BLOCK_K"]
     _grouped_kernel[(align.block_expert.shape[0], triton.cdiv(n, bn))](
         a, w, s, g, out, align.sorted_pair_ids, align.block_expert, align.expert_offsets, align.expert_counts,
         n, k, a.stride(0), w.stride(0), w.stride(1), s.stride(0), s.stride(1), g.stride(0), out.stride(0),
         A_DIV=a_div, EVEN_K=k % bk == 0, DOT_PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
-        BLOCK_M=block_m, BLOCK_N=bn, BLOCK_K=bk, num_warps=8 if gpu and block_m >= 64 else 4,
-        num_stages=3 if gpu else 1,
+        BLOCK_M=align.block_m, BLOCK_N=bn, BLOCK_K=bk, num_warps=tile["num_warps"], num_stages=tile["num_stages"],
     )  # fmt: skip
     return out
+
+
+def grouped_defaults(num_pairs: int, gpu: bool, block_m: int | None = None) -> dict:
+    """The grouped launch without a table entry (the tiles before the table existed): ``block_m`` rows (None:
+    64 on the GPU from 1024 pairs, else 16); 128 x 64 weight tiles, 8 warps for 64+ rows (else 4), 3 stages;
+    the interpreter: 32 x 32 tiles, 4 warps, 1 stage."""
+    bm = block_m or (64 if gpu and num_pairs >= 1024 else 16)
+    tile = (128, 64, 8 if bm >= 64 else 4, 3) if gpu else (32, 32, 4, 1)
+    return {"BLOCK_M": bm, **{f"{key}{gemm}": value for gemm in (1, 2)
+                              for key, value in zip(_GROUPED_TILE_KEYS, tile)}}
+
+
+def grouped_config(num_experts: int, hidden: int, inter: int, top_k: int, num_pairs: int,
+                   device: torch.device) -> dict:
+    """Launch parameters of the grouped path: grouped_defaults under the ``fp4_moe_grouped`` entries (keys as
+    fp8_moe's ``grouped_config_key``: average rows per expert rounded up to a bucket)."""
+    gpu = on_gpu(device)
+    key = grouped_config_key(num_experts, hidden, inter, top_k, num_pairs)
+    return tuning.kernel_config(TUNING_PACKAGE, GROUPED_KERNEL, key, grouped_defaults(num_pairs, gpu),
+                                device if gpu else None)
+
+
+def _grouped_tiles(cfg: dict) -> tuple[dict, dict]:
+    """The up and down GEMMs' launch keys out of a grouped config, checked (tl.dot / tl.arange: powers of two)."""
+    bm = cfg["BLOCK_M"]
+    tiles = tuple({key: cfg[f"{key}{gemm}"] for key in _GROUPED_TILE_KEYS} for gemm in (1, 2))
+    bad = [t for t in tiles if t["BLOCK_N"] < 16 or t["BLOCK_N"] & (t["BLOCK_N"] - 1) or t["BLOCK_K"] < 32
+           or t["BLOCK_K"] & (t["BLOCK_K"] - 1)]
+    if bm < 16 or bm & (bm - 1) or bad:
+        raise ValueError(f"fp4 grouped MoE: BLOCK_M and BLOCK_N must be powers of two >= 16, BLOCK_K >= 32, not "
+                         f"BLOCK_M {bm}, up {tiles[0]}, down {tiles[1]}")
+    return tiles
 
 
 def fp4_fused_moe(x: torch.Tensor, w13: torch.Tensor, s13: torch.Tensor, g13: torch.Tensor, w2: torch.Tensor,
                   s2: torch.Tensor, g2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                   activation: str = "silu", grouped: bool | str | None = None,
-                  gemv: dict | None = None) -> torch.Tensor:
+                  gemv: dict | None = None, tiles: dict | None = None) -> torch.Tensor:
     """``interfaces.Fp4FusedMoE``: x [T, H] (unit last stride) -> [T, H] in x's dtype; ``grouped`` forces a
     path (False: GEMV, True: grouped, "dequant": unpacked experts and the bf16 MoE; None: by pair count);
-    ``gemv`` overrides keys of the GEMV path's ``gemv_config`` (tests, sweeps)."""
+    ``gemv`` / ``tiles`` override keys of the GEMV / grouped path's ``gemv_config`` / ``grouped_config``
+    (tests, sweeps)."""
     t, k = topk_ids.shape
     e, rows13, half_h = w13.shape
     inter = 2 * w2.shape[2]
@@ -289,12 +328,13 @@ def fp4_fused_moe(x: torch.Tensor, w13: torch.Tensor, s13: torch.Tensor, g13: to
 
         return bf16_moe.fused_moe(x, dequantize(w13, s13, g13, x.dtype), dequantize(w2, s2, g2, x.dtype),
                                   topk_weights, topk_ids, activation)
-    block_m = 64 if on_gpu(x.device) and num_pairs >= 1024 else 16
-    align = moe_align(topk_ids, e, block_m)
+    cfg = {**grouped_config(e, x.shape[1], inter, k, num_pairs, x.device), **(tiles or {})}
+    up, down = _grouped_tiles(cfg)
+    align = moe_align(topk_ids, e, cfg["BLOCK_M"])
     g13, g2 = g13.float().contiguous(), g2.float().contiguous()
     w13, w2, s13, s2 = w13.contiguous(), w2.contiguous(), s13.contiguous(), s2.contiguous()
-    h = _grouped_gemm(x, w13, s13, g13, k, num_pairs, align, block_m)  # [P, 2I] in x's dtype, as the reference
+    h = _grouped_gemm(x, w13, s13, g13, k, num_pairs, align, up)  # [P, 2I] in x's dtype, as the reference
     h = act_and_mul(h, activation) if gated else get_activation(activation)(h)  # [P, I]
-    y = _grouped_gemm(h.contiguous(), w2, s2, g2, 1, num_pairs, align, block_m)  # [P, H]
+    y = _grouped_gemm(h.contiguous(), w2, s2, g2, 1, num_pairs, align, down)  # [P, H]
     out = (y.view(t, k, -1).float() * topk_weights.float().unsqueeze(-1)).sum(1)  # [T, H]
     return out.to(x.dtype)
