@@ -1,10 +1,6 @@
 """The NVFP4 grouped (prefill) MoE under table-driven launch configs: today's tiles without a table, a table entry reaching the launch, non-default tiles against the reference, bad tiles named, and bench/fp4_moe_grouped_sweep.py's smoke run with its --write and --merge."""
 from __future__ import annotations
 
-import json
-import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -13,9 +9,8 @@ import torch
 from armillary.kernels import fp4 as ref
 from armillary.kernels import tuning
 from armillary.kernels.triton import fp4_moe, fp8_skinny
+from tests.fixtures import grouped_sweeps
 
-ROOT = Path(__file__).resolve().parents[1]
-QWEN_TABLE = ROOT / "plugins" / "qwen_gdn_moe" / "armillary_qwen_gdn_moe" / "tuning" / "sm_90.json"
 T, ROUTED, K, H, I = 20, 5, 2, 160, 96  # K routed slots + the shared expert (id ROUTED) last; 60 pairs, r16
 KEY = "e6_h160_i96_k3_r16"
 LAUNCH_KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages")
@@ -120,12 +115,7 @@ def test_bad_tiles_are_named():
 def smoke(tmp_path_factory) -> tuple[Path, dict]:
     """One smoke run with --write into a copy of the Qwen plugin's sm_90 table; every bucket gets its best candidate."""
     out = tmp_path_factory.mktemp("fp4_moe_grouped_sweep")
-    shutil.copy(QWEN_TABLE, out / "table.json")
-    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "fp4_moe_grouped_sweep.py"), "--tiny", "--device",
-                           "cpu", "--out", str(out), "--write", "--table", str(out / "table.json"), "--min-gain=-1000"],
-                          capture_output=True, text=True, timeout=600, cwd=ROOT)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return out, json.loads((out / "fp4_moe_grouped_sweep.json").read_text())
+    return out, grouped_sweeps.smoke_run("fp4_moe_grouped", out, timeout=600)
 
 
 def test_smoke_sweep_checks_and_writes(smoke):
@@ -138,30 +128,11 @@ def test_smoke_sweep_checks_and_writes(smoke):
     assert all(row["ok"] and row["err"] <= 1e-2 for row in rows), [row for row in rows if not row["ok"]]
     assert {row["config"]["BLOCK_M"] for row in rows} == {16, 32}
     assert {row["config"]["BLOCK_K1"] for row in rows} == {32, 64}
-    entry = json.loads((out / "fp4_moe_grouped_table.json").read_text())["fp4_moe_grouped"]
+    entry = grouped_sweeps.check_written(out, "fp4_moe_grouped", "fp4_moe_grouped")
     assert set(entry) == {"e6_h80_i48_k3_r2", "e6_h80_i48_k3_r16"}
     assert all(set(cfg) == set(fp4_moe.grouped_defaults(1, False)) and cfg != r["default"]
                for cfg, r in zip(entry.values(), result["results"]))
-    shipped = json.loads(QWEN_TABLE.read_text())
-    merged = json.loads((out / "table.json").read_text())
-    others = {k: v for k, v in shipped.items() if k != "fp4_moe_grouped"}
-    assert {k: v for k, v in merged.items() if k != "fp4_moe_grouped"} == others  # every other kernel untouched
-    kept = {k: v for k, v in shipped.get("fp4_moe_grouped", {}).items() if k != "_comment"}  # the GPU's keys stay
-    assert {k: v for k, v in merged["fp4_moe_grouped"].items() if k != "_comment"} == {**kept, **entry}
-    assert merged["fp4_moe_grouped"]["_comment"].startswith("bench/fp4_moe_grouped_sweep.py on cpu-interpreter")
 
 
 def test_merge_keeps_other_keys(smoke, tmp_path):
-    """--merge (no sweep): the run's keys into a table that already has another key of the kernel."""
-    out, _ = smoke
-    table = tmp_path / "table.json"
-    table.write_text(json.dumps({"fp4_moe_grouped": {"e9_h1_i1_k1_r1": {"BLOCK_M": 64}}, "other": {"default": {}}}))
-    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "fp4_moe_grouped_sweep.py"), "--merge",
-                           str(out / "fp4_moe_grouped_table.json"), "--table", str(table)],
-                          capture_output=True, text=True, timeout=120, cwd=ROOT)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    merged = json.loads(table.read_text())
-    entry = json.loads((out / "fp4_moe_grouped_table.json").read_text())["fp4_moe_grouped"]
-    assert merged["other"] == {"default": {}}
-    assert {k: v for k, v in merged["fp4_moe_grouped"].items() if k != "_comment"} == \
-        {"e9_h1_i1_k1_r1": {"BLOCK_M": 64}, **entry}
+    grouped_sweeps.check_merge(smoke[0], "fp4_moe_grouped", "fp4_moe_grouped", tmp_path / "table.json")

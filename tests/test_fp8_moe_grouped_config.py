@@ -1,10 +1,6 @@
 """The fp8 grouped (prefill) MoE under table-driven launch configs: today's tiles without a table, a table entry reaching the launch, non-default tiles against the reference, and bench/fp8_moe_grouped_sweep.py's smoke run with its --write and --merge."""
 from __future__ import annotations
 
-import json
-import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -13,13 +9,13 @@ import torch
 from armillary.kernels import fp8 as ref
 from armillary.kernels import tuning
 from armillary.kernels.triton import fp8_moe, fp8_skinny
+from tests.fixtures import grouped_sweeps
 
-ROOT = Path(__file__).resolve().parents[1]
-QWEN_TABLE = ROOT / "plugins" / "qwen_gdn_moe" / "armillary_qwen_gdn_moe" / "tuning" / "sm_90.json"
 T, ROUTED, K, H, I = 20, 5, 2, 160, 96  # K routed slots + the shared expert (id ROUTED) last; 60 pairs, r16
 KEY = "e6_h160_i96_k3_r16"
 TODAY_GPU = {"BLOCK_N1": 128, "num_warps1": 4, "num_stages1": 4, "GROUP_M1": 0,
              "BLOCK_N2": 128, "num_warps2": 4, "num_stages2": 4, "GROUP_M2": 0}  # fmt: skip
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # CPU: the interpreter (root conftest)
 
 
 def _ratio(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -34,6 +30,7 @@ def _moe(block: tuple[int, int], seed: int = 0):
     routed = torch.stack([torch.randperm(ROUTED, generator=g)[:K] for _ in range(T)])
     ids = torch.cat((routed, torch.full((T, 1), ROUTED)), dim=1).to(torch.int32)  # [T, K + 1]
     weights = torch.rand(T, K + 1, generator=g)
+    x, w13, s13, w2, s2, weights, ids = (a.to(DEVICE) for a in (x, w13, s13, w2, s2, weights, ids))
     return x, w13, s13, w2, s2, *block, weights, ids
 
 
@@ -79,17 +76,20 @@ def test_table_entry_reaches_the_launch(monkeypatch):
     args = _moe((16, 32), seed=1)
     out = fp8_moe.fp8_fused_moe(*args, "silu", grouped=True)
     up, down = spy.launches
+    base = fp8_moe.grouped_defaults(60, DEVICE.type == "cuda", 32)  # what the entry leaves unset
     assert {k: up[k] for k in ("BLOCK_M", "BLOCK_N", "GROUP_M", "num_warps", "num_stages")} == \
-        {"BLOCK_M": 32, "BLOCK_N": 64, "GROUP_M": 3, "num_warps": 2, "num_stages": 1}
+        {"BLOCK_M": 32, "BLOCK_N": 64, "GROUP_M": 3, "num_warps": 2, "num_stages": base["num_stages1"]}
     assert {k: down[k] for k in ("BLOCK_M", "BLOCK_N", "GROUP_M", "num_warps", "num_stages")} == \
-        {"BLOCK_M": 32, "BLOCK_N": 16, "GROUP_M": 0, "num_warps": 4, "num_stages": 2}
+        {"BLOCK_M": 32, "BLOCK_N": 16, "GROUP_M": base["GROUP_M2"], "num_warps": base["num_warps2"], "num_stages": 2}
     assert len(up["grid"]) == 1 and len(down["grid"]) == 2  # the swizzle's 1-D grid; (blocks, N tiles) without
     assert down["grid"][1] == -(-H // 16) and up["grid"][0] == down["grid"][0] * -(-2 * I // 64)
     want = ref.fused_moe(*args, "silu", quantize_input=True)
     assert _ratio(out, want) < 1e-5
     spy.launches.clear()
     fp8_moe.fp8_fused_moe(*args, "silu", grouped=True, block_m=16)  # an explicit block_m: today's tiles, no table
-    assert [(la["BLOCK_M"], la["BLOCK_N"], la["GROUP_M"]) for la in spy.launches] == [(16, 32, 0)] * 2
+    today = fp8_moe.grouped_defaults(60, DEVICE.type == "cuda", 16)
+    assert [(la["BLOCK_M"], la["BLOCK_N"], la["GROUP_M"]) for la in spy.launches] == \
+        [(16, today["BLOCK_N1"], today["GROUP_M1"]), (16, today["BLOCK_N2"], today["GROUP_M2"])]
     x, w13, s13, w2, s2, bn, bk, weights, ids = args
     with pytest.raises(ValueError, match="BLOCK_M must be a power of two"):  # 12 tokens read r8: its bad value shows
         fp8_moe.fp8_fused_moe(x[:12], w13, s13, w2, s2, bn, bk, weights[:12], ids[:12], "silu", grouped=True)
@@ -111,12 +111,7 @@ def test_non_default_tiles_match_reference(block, tiles):
 def smoke(tmp_path_factory) -> tuple[Path, dict]:
     """One smoke run with --write into a copy of the Qwen plugin's sm_90 table; every bucket gets its best candidate."""
     out = tmp_path_factory.mktemp("fp8_moe_grouped_sweep")
-    shutil.copy(QWEN_TABLE, out / "table.json")
-    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "fp8_moe_grouped_sweep.py"), "--tiny", "--device",
-                           "cpu", "--out", str(out), "--write", "--table", str(out / "table.json"), "--min-gain=-1000"],
-                          capture_output=True, text=True, timeout=300, cwd=ROOT)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return out, json.loads((out / "fp8_moe_grouped_sweep.json").read_text())
+    return out, grouped_sweeps.smoke_run("fp8_moe_grouped", out, timeout=300)
 
 
 def test_smoke_sweep_checks_and_writes(smoke):
@@ -126,28 +121,11 @@ def test_smoke_sweep_checks_and_writes(smoke):
     assert all(row["ok"] and row["err"] <= 1e-2 for row in rows), [row for row in rows if not row["ok"]]
     assert {row["config"]["BLOCK_M"] for row in rows} == {16, 32}
     assert {row["config"]["GROUP_M1"] for row in rows} == {0, 2}
-    entry = json.loads((out / "fp8_moe_grouped_table.json").read_text())["fp8_moe_grouped"]
+    entry = grouped_sweeps.check_written(out, "fp8_moe_grouped", "fp8_moe_grouped")
     assert set(entry) == {"e6_h80_i48_k3_r2", "e6_h80_i48_k3_r16"}
     assert all(set(cfg) == set(fp8_moe.grouped_defaults(1, False)) and cfg != r["default"]
                for cfg, r in zip(entry.values(), result["results"]))
-    shipped = json.loads(QWEN_TABLE.read_text())
-    merged = json.loads((out / "table.json").read_text())
-    others = {k: v for k, v in shipped.items() if k != "fp8_moe_grouped"}
-    assert {k: v for k, v in merged.items() if k != "fp8_moe_grouped"} == others  # every other kernel untouched
-    kept = {k: v for k, v in shipped.get("fp8_moe_grouped", {}).items() if k != "_comment"}  # the GPU's keys stay
-    assert {k: v for k, v in merged["fp8_moe_grouped"].items() if k != "_comment"} == {**kept, **entry}
-    assert merged["fp8_moe_grouped"]["_comment"].startswith("bench/fp8_moe_grouped_sweep.py on cpu-interpreter")
 
 
 def test_merge_keeps_other_keys(smoke, tmp_path):
-    """--merge (no sweep): the run's keys into a table that already has another key of the kernel."""
-    out, _ = smoke
-    table = tmp_path / "table.json"
-    table.write_text(json.dumps({"fp8_moe_grouped": {"e9_h1_i1_k1_r1": {"BLOCK_M": 64}}, "other": {"default": {}}}))
-    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "fp8_moe_grouped_sweep.py"), "--merge",
-                           str(out / "fp8_moe_grouped_table.json"), "--table", str(table)],
-                          capture_output=True, text=True, timeout=120, cwd=ROOT)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    merged = json.loads(table.read_text())
-    assert merged["other"] == {"default": {}}
-    assert set(merged["fp8_moe_grouped"]) == {"_comment", "e9_h1_i1_k1_r1", "e6_h80_i48_k3_r2", "e6_h80_i48_k3_r16"}
+    grouped_sweeps.check_merge(smoke[0], "fp8_moe_grouped", "fp8_moe_grouped", tmp_path / "table.json")
