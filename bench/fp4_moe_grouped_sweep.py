@@ -9,19 +9,18 @@
 Shape and weights: fp4_moe_gemv_sweep's (``decode_shapes.moe_shapes("qwen")``: H 2048, I 512, 256 routed
 experts + the shared one as id 256, ids [T, 8 + 1] with the shared id last; NVFP4 from
 ``armillary.kernels.fp4.quantize_nvfp4`` with row global scales). One weight copy: every token count streams
-far more than the 50 MB L2. Per token count (64: 64 decode streams, 2048 and 16384: prefill chunks), at each
-BLOCK_M candidate: the up GEMM's (BLOCK_N1, BLOCK_K1, num_warps1, num_stages1) candidates with the down GEMM
-at today's tiles, then the down GEMM's with the best up; every run is the whole ``fp4_fused_moe(...,
-grouped=True, tiles=cfg)`` call (align, both GEMMs, the activation, the top-k sum), timed as
-grouped_search times it (``time_us``: a CUDA graph of 20 calls up to 4096 tokens, CUDA events over
-eager calls above) and checked by its ``measure`` against the defaults' output (norm ratio <= 1e-2 and
-finite, else rejected). The defaults' output is checked against ``armillary.kernels.fp4.fused_moe``, and the
-dequant path (experts unpacked whole, core's bf16 MoE: the ``fp4_moe`` entry's ``dequant_min_pairs``) and
-the bf16 MoE alone on the dequantized experts are timed beside them, same run. A bucket's winner enters the
-table only when it beats the defaults by more than --min-gain (3%); the defaults and the winner are timed
-once more, side by side, for the final figure. Candidates compile in spawned worker processes first
-(Triton's disk cache) for at most half of --deadline-s. Writes $OUT/fp4_moe_grouped_sweep.json and
-$OUT/fp4_moe_grouped_table.json ({"fp4_moe_grouped": {key: cfg}}).
+far more than the 50 MB L2. Per token count (one per rows-per-expert bucket: 64 = 64 decode streams, up to
+16384-token prefill chunks), at each BLOCK_M candidate: the up GEMM's (BLOCK_N1, BLOCK_K1, num_warps1,
+num_stages1) candidates with the down GEMM at today's tiles, then the down GEMM's with the best up; every run
+is the whole ``fp4_fused_moe(..., grouped=True, tiles=cfg)`` call (align, both GEMMs, the activation, the top-k
+sum), timed and checked by grouped_search (a CUDA graph of 20 calls up to 4096 tokens, CUDA events over eager
+calls above; norm ratio to the defaults' output <= 1e-2 and finite, else rejected). The defaults' output is
+checked against ``armillary.kernels.fp4.fused_moe``; the dequant path (experts unpacked whole, core's bf16 MoE)
+and the bf16 MoE alone on the dequantized experts are timed beside them, same run. A bucket's entry is
+``{"variant": "dequant"}`` where the dequant path beats the fastest grouped launch by more than --min-gain
+(3%), else the tile winner where it beats the defaults by that much (timed once more side by side), else none.
+Candidates compile in spawned worker processes first (Triton's disk cache) for at most half of --deadline-s.
+Writes $OUT/fp4_moe_grouped_sweep.json and $OUT/fp4_moe_grouped_table.json ({"fp4_moe_grouped": {key: cfg}}).
 """
 from __future__ import annotations
 
@@ -44,7 +43,7 @@ import torch  # noqa: E402
 
 from autotune import table_path  # noqa: E402
 from decode_shapes import PACKAGES  # noqa: E402
-from grouped_search import SMEM, Tiles, error_ratio, measure, merge_run, search, sweep_counts, time_us, write_winners  # noqa: E402
+from grouped_search import SMEM, TOL, Tiles, error_ratio, measure, merge_run, search, sweep_counts, time_us, write_winners  # noqa: E402
 from skinny_gemm import compile_in_workers  # noqa: E402
 
 from armillary.kernels import fp4 as ref  # noqa: E402
@@ -52,7 +51,7 @@ from armillary.kernels.triton import fp4_moe  # noqa: E402
 from armillary.kernels.triton import moe as bf16_moe  # noqa: E402
 
 PACKAGE = PACKAGES["qwen"]
-TOKENS = (64, 2048, 16384)
+TOKENS = (64, 128, 256, 512, 1024, 2048, 4096, 16384)  # r4 .. r512: one count per bucket
 # BLOCK_M candidates by average rows per expert (the first bucket with avg <= the bound): a weight tile is
 # unpacked once per row block, so larger blocks pay it less often where experts have the rows
 BLOCK_MS = ((8, (16, 32)), (64, (16, 32, 64)), (256, (32, 64, 128)), (1 << 30, (64, 128)))
@@ -158,7 +157,21 @@ def sweep_tokens(experts: Experts, tokens: int, deadline: float, min_gain: float
           f"{reference_err:.1e}); dequant path {context['dequant']['us']:.1f} us, bf16 MoE {context['bf16']['us']:.1f} us",
           flush=True)
     result = search(run, TILE, plan(tokens), key, tokens, default, want, base, deadline, min_gain)
-    return {**result, "reference_err": reference_err, "context": context}
+    return {**result, **pick_variant(result, context, min_gain), "reference_err": reference_err, "context": context}
+
+
+def pick_variant(result: dict, context: dict, min_gain: float) -> dict:
+    """The bucket's path: "dequant" where unpacking the experts beats the fastest grouped launch timed (the
+    defaults or the winner) by more than ``min_gain`` (at least 0), its entry then ``{"variant": "dequant"}``; else "grouped",
+    the tile winner's entry (if any) saying so."""
+    grouped_us = min(result["default_us"], result["best_us"])
+    dequant = context["dequant"]
+    margin = max(min_gain, 0.0)  # a negative --min-gain (the smoke test's) takes any tile winner, never a slower path
+    if dequant["err"] is not None and dequant["err"] <= TOL and dequant["us"] < (1 - margin) * grouped_us:
+        print(f"{result['key']} T={result['tokens']}: the dequant path {dequant['us']:.1f} us beats the grouped "
+              f"kernel's {grouped_us:.1f} us -> variant dequant", flush=True)
+        return {"variant": "dequant", "entry": {"variant": "dequant"}}
+    return {"variant": "grouped", "entry": result["entry"] and {"variant": "grouped", **result["entry"]}}
 
 
 def main() -> None:
@@ -203,7 +216,8 @@ def main() -> None:
                                   token_counts, deadline, out, "fp4_moe_grouped", fp4_moe.GROUPED_KERNEL, info, start)
     for r in results:  # the summary: one line per bucket
         best = TILE.text(r["best"]) if r["best"] else "-"
-        print(f"winner {r['key']} T={r['tokens']}: {best if r['entry'] else 'the defaults'}; best candidate {best} "
+        won = "the dequant path" if r["variant"] == "dequant" else best if r["entry"] else "the defaults"
+        print(f"winner {r['key']} T={r['tokens']}: {won}; best grouped candidate {best} "
               f"{r['best_us']:.1f} us vs the defaults {r['default_us']:.1f} us ({r['speedup']:.3f}x); dequant path "
               f"{r['context']['dequant']['us']:.1f} us, bf16 MoE {r['context']['bf16']['us']:.1f} us", flush=True)
     print(f'"{fp4_moe.GROUPED_KERNEL}" entry ({len(entry)} keys): {json.dumps(entry)}')

@@ -4,7 +4,7 @@ Phases (``--phase``, comma-separated; one line per figure, JSON to ``$OUT/nvfp4_
 
 - ``kernels`` (no loader needed): the copy bandwidth; per Qwen projection at M = 1 the NVFP4 skinny
   GEMM, the FP8 skinny GEMM and bf16 cuBLAS (µs, GB/s of the bytes each must stream, % of the
-  copy bandwidth); at M = 8 / 64 the same; prefill at 4096 / 16384 rows: the three NVFP4 variants
+  copy bandwidth); at M = 8 / 64 the same; prefill at 256 .. 16384 rows: the three NVFP4 variants
   (bf16 dequantized tile, fp8 re-rounded tile, whole weight unpacked then cuBLAS) vs the FP8 block
   GEMM and bf16 cuBLAS (TFLOP/s); the fused MoE at 1 / 8 / 64 / 2048 tokens, NVFP4 (GEMV / grouped,
   and unpacked experts + the bf16 MoE) vs FP8 vs bf16 Triton. Timings replay CUDA graphs
@@ -13,7 +13,7 @@ Phases (``--phase``, comma-separated; one line per figure, JSON to ``$OUT/nvfp4_
   launch tables; their ``--write`` merges into the Qwen plugin's tuning/sm_90.json), results under $OUT.
 - ``speed``: the engine on random weights (``load_format="dummy"``) for bf16, FP8 (``fp8_block``)
   and NVFP4 (``quantization="nvfp4"``: the bf16 weights quantized while loading), bf16 KV for all:
-  batch-1 decode (1K prompt, 256 new), 64 streams (1K prompt, 128 new), 16K prefill, the weights'
+  batch-1 decode (1K prompt, 256 new), 64 streams (1K prompt, 128 new), 2K and 16K prefill, the weights'
   bytes on the GPU and NVFP4 / bf16 ratios; decode against the weight-streaming roofline.
 
     python bench/nvfp4_bench.py --phase kernels,sweep
@@ -92,7 +92,7 @@ def phase_kernels(dev: str, tiny: bool, bw: float) -> None:
                 gbs = (streamed[kind] + m * k * 2 + m * n * 2) / us / 1e3
                 report(f"{kind} linear {name} M={m} us", us, f"{gbs:.0f} GB/s, {gbs * 1e9 / bw:.0%} of copy bandwidth")
             report(f"fp4 / fp8 speed-up {name} M={m}", times["fp8"] / times["fp4"])
-        for m in ((70,) if tiny else (4096, 16384)):
+        for m in ((70,) if tiny else (256, 1024, 2048, 4096, 16384)):  # prefill chunk sizes: the variants' crossover
             x = torch.randn(m, k, device=dev, dtype=act)
             times = {f"fp4 {v}": bench_us(lambda i, v=v: fp4_gemm.fp4_linear(x, *ws["fp4"][i % count],
                                                                               config=dict(variant=v)), 4)
@@ -204,9 +204,9 @@ def phase_speed(path: Path, cfg: dict, args, bw: float, s: int) -> None:
             roof = batch * bw / decode_bytes(cfg, batch, prompt + new // 2, per_weight[kind])
             decode[(kind, batch)] = res["decode_tok_s"]
             report(f"{kind} {name}", res["decode_tok_s"], f"{res['decode_tok_s'] / roof:.0%} of roofline {roof:.0f}")
-        n = 16384 // s
-        res = ours.run(1, n, 1)
-        report(f"{kind} prefill tok/s 16K", n / res["ttft"], f"TTFT {res['ttft'] * 1e3:.0f} ms")
+        for label, n in (("2K", 2048 // s), ("16K", 16384 // s)):
+            res = ours.run(1, n, 1)
+            report(f"{kind} prefill tok/s {label}", n / res["ttft"], f"TTFT {res['ttft'] * 1e3:.0f} ms")
         ours.llm.shutdown()  # start-up's gc.freeze keeps a dropped engine's memory: the next kind needs it
         del ours
         gc.collect()

@@ -58,12 +58,12 @@ def test_defaults_are_todays_tiles(monkeypatch):
     cpu = torch.device("cpu")
     interp = {"BLOCK_N": 32, "BLOCK_K": 32, "num_warps": 4, "num_stages": 1}
     assert fp4_moe.grouped_config(6, H, I, 3, 60, cpu) == {
-        "BLOCK_M": 16, **{f"{k}{g}": v for g in (1, 2) for k, v in interp.items()}}
+        "variant": "grouped", "BLOCK_M": 16, **{f"{k}{g}": v for g in (1, 2) for k, v in interp.items()}}
     monkeypatch.setattr(fp8_skinny, "OFFLINE_SM_COUNT", 132)  # GPU launch configs without a GPU
 
     def gpu(bm: int, warps: int) -> dict:
         tile = {"BLOCK_N": 128, "BLOCK_K": 64, "num_warps": warps, "num_stages": 3}
-        return {"BLOCK_M": bm, **{f"{k}{g}": v for g in (1, 2) for k, v in tile.items()}}
+        return {"variant": "grouped", "BLOCK_M": bm, **{f"{k}{g}": v for g in (1, 2) for k, v in tile.items()}}
 
     assert fp4_moe.grouped_config(257, 2048, 512, 9, 576, cpu) == gpu(16, 4)  # before the table: these tiles
     assert fp4_moe.grouped_config(257, 2048, 512, 9, 1024, cpu) == gpu(64, 8)
@@ -90,6 +90,28 @@ def test_table_entry_reaches_the_launch(monkeypatch):
     x, p13, s13, g13, p2, s2, g2, weights, ids = args
     with pytest.raises(ValueError, match="'BLOCK_K': 48"):  # 12 tokens read r8: its bad BLOCK_K shows
         fp4_moe.fp4_fused_moe(x[:12], p13, s13, g13, p2, s2, g2, weights[:12], ids[:12], "silu", grouped=True)
+
+
+def test_variant_dequant_takes_the_unpacked_experts(monkeypatch):
+    """A bucket whose entry says "dequant" runs core's bf16 MoE on the unpacked experts (grouped=True still forces
+    the kernel); another bucket keeps the grouped kernel; an unknown variant is named."""
+    from armillary.kernels.triton import moe as bf16_moe
+
+    _set_table(monkeypatch, {"fp4_moe_grouped": {KEY: {"variant": "dequant"}, "e6_h160_i96_k3_r8": {"variant": "x"}}})
+    calls, spy = [], _Spy(fp4_moe._grouped_kernel)
+    real = bf16_moe.fused_moe
+    monkeypatch.setattr(bf16_moe, "fused_moe", lambda *a, **kw: calls.append(a[1].shape) or real(*a, **kw))
+    monkeypatch.setattr(fp4_moe, "_grouped_kernel", spy)
+    monkeypatch.setattr(fp4_moe, "GEMV_MAX_PAIRS", 8)  # 60 and 36 pairs: past the GEMV path
+    args = _moe(seed=2)
+    out = fp4_moe.fp4_fused_moe(*args, "silu")
+    assert calls == [(ROUTED + 1, 2 * I, H)] and not spy.launches  # the whole w13, unpacked
+    assert _ratio(out, ref.fused_moe(*args, "silu")) < 1e-5
+    fp4_moe.fp4_fused_moe(*args, "silu", grouped=True)
+    assert len(calls) == 1 and len(spy.launches) == 2
+    x, p13, s13, g13, p2, s2, g2, weights, ids = args
+    with pytest.raises(ValueError, match="variant must be one of"):  # 12 tokens read r8
+        fp4_moe.fp4_fused_moe(x[:12], p13, s13, g13, p2, s2, g2, weights[:12], ids[:12], "silu")
 
 
 @pytest.mark.parametrize("tiles", [

@@ -18,9 +18,10 @@ Experts as ``armillary.kernels.fp4.fused_moe`` takes them: w13 uint8 [E, 2I or I
   BLOCK_K), warps and stages come from the "fp4_moe_grouped" tuning entry (keyed as fp8_moe's grouped
   entry: experts, hidden, intermediate, top-k and rows per expert; ``bench/fp4_moe_grouped_sweep.py``
   measures it).
-- dequant (prefill, from ``dequant_min_pairs`` pairs in the ``fp4_moe`` tuning entry; 0: never):
-  every expert unpacked once into x's dtype (``fp4_gemv.dequantize``) and core's bf16 Triton MoE,
-  which pays the unpacking once per call instead of once per row block.
+- dequant (prefill, where the bucket's ``fp4_moe_grouped`` entry says ``"variant": "dequant"``; the
+  sweep writes it where this path beats the grouped kernel): every expert unpacked once into x's dtype
+  (``fp4_gemv.dequantize``) and core's bf16 Triton MoE, which pays the unpacking once per call instead
+  of once per row block, at the cost of a transient bf16 copy of all experts.
 
 Reference: ``armillary.kernels.fp4.fused_moe``.
 """
@@ -39,7 +40,7 @@ from armillary.kernels.triton.moe_align import moe_align
 from armillary.kernels.triton.pdl import pdl_prologue
 
 GEMV_MAX_PAIRS = 64  # at most this many (token, expert) pairs take the GEMV path
-DEFAULTS = {"dequant_min_pairs": 0}  # the ``fp4_moe`` tuning entry: 0 never dequantizes whole experts
+VARIANTS = ("grouped", "dequant")  # the grouped entry's "variant": the NVFP4 tile kernel, or unpacked experts
 TUNING_PACKAGE = "armillary.kernels"
 GEMV_KERNEL = "fp4_moe_gemv"
 # BLOCK_N1 / BLOCK_N2: weight rows per program (up: that many gate rows and as many up rows); BLOCK_K1 /
@@ -266,13 +267,13 @@ def _grouped_gemm(a: torch.Tensor, w: torch.Tensor, s: torch.Tensor, g: torch.Te
 
 
 def grouped_defaults(num_pairs: int, gpu: bool, block_m: int | None = None) -> dict:
-    """The grouped launch without a table entry (the tiles before the table existed): ``block_m`` rows (None:
+    """The grouped launch without a table entry (the tiles before the table existed; variant "grouped"): ``block_m`` rows (None:
     64 on the GPU from 1024 pairs, else 16); 128 x 64 weight tiles, 8 warps for 64+ rows (else 4), 3 stages;
     the interpreter: 32 x 32 tiles, 4 warps, 1 stage."""
     bm = block_m or (64 if gpu and num_pairs >= 1024 else 16)
     tile = (128, 64, 8 if bm >= 64 else 4, 3) if gpu else (32, 32, 4, 1)
-    return {"BLOCK_M": bm, **{f"{key}{gemm}": value for gemm in (1, 2)
-                              for key, value in zip(_GROUPED_TILE_KEYS, tile)}}
+    return {"variant": "grouped", "BLOCK_M": bm, **{f"{key}{gemm}": value for gemm in (1, 2)
+                                                    for key, value in zip(_GROUPED_TILE_KEYS, tile)}}
 
 
 def grouped_config(num_experts: int, hidden: int, inter: int, top_k: int, num_pairs: int,
@@ -302,7 +303,8 @@ def fp4_fused_moe(x: torch.Tensor, w13: torch.Tensor, s13: torch.Tensor, g13: to
                   activation: str = "silu", grouped: bool | str | None = None,
                   gemv: dict | None = None, tiles: dict | None = None) -> torch.Tensor:
     """``interfaces.Fp4FusedMoE``: x [T, H] (unit last stride) -> [T, H] in x's dtype; ``grouped`` forces a
-    path (False: GEMV, True: grouped, "dequant": unpacked experts and the bf16 MoE; None: by pair count);
+    path (False: GEMV, True: the grouped kernel, "dequant": unpacked experts and the bf16 MoE; None: GEMV up to
+    GEMV_MAX_PAIRS pairs, then the bucket's ``variant``);
     ``gemv`` / ``tiles`` override keys of the GEMV / grouped path's ``gemv_config`` / ``grouped_config``
     (tests, sweeps)."""
     t, k = topk_ids.shape
@@ -321,14 +323,14 @@ def fp4_fused_moe(x: torch.Tensor, w13: torch.Tensor, s13: torch.Tensor, g13: to
     x = x.contiguous()
     if not (num_pairs > GEMV_MAX_PAIRS if grouped is None else grouped):
         return _gemv_moe(x, w13, s13, g13, w2, s2, g2, topk_weights, topk_ids, activation, gemv)
-    dequant_from = tuning.kernel_config("armillary.kernels", "fp4_moe", "default", DEFAULTS,
-                                        x.device if on_gpu(x.device) else None)["dequant_min_pairs"]
-    if grouped == "dequant" or (grouped is None and dequant_from and num_pairs >= dequant_from):
+    cfg = {**grouped_config(e, x.shape[1], inter, k, num_pairs, x.device), **(tiles or {})}
+    if cfg["variant"] not in VARIANTS:
+        raise ValueError(f"fp4 grouped MoE: variant must be one of {VARIANTS}, not {cfg['variant']!r}")
+    if grouped == "dequant" or (grouped is None and cfg["variant"] == "dequant"):
         from armillary.kernels.triton import moe as bf16_moe
 
         return bf16_moe.fused_moe(x, dequantize(w13, s13, g13, x.dtype), dequantize(w2, s2, g2, x.dtype),
                                   topk_weights, topk_ids, activation)
-    cfg = {**grouped_config(e, x.shape[1], inter, k, num_pairs, x.device), **(tiles or {})}
     up, down = _grouped_tiles(cfg)
     align = moe_align(topk_ids, e, cfg["BLOCK_M"])
     g13, g2 = g13.float().contiguous(), g2.float().contiguous()
