@@ -43,7 +43,8 @@ import torch  # noqa: E402
 
 from autotune import table_path  # noqa: E402
 from decode_shapes import PACKAGES  # noqa: E402
-from grouped_search import SMEM, TOL, Tiles, error_ratio, measure, merge_run, search, sweep_counts, time_us, write_winners  # noqa: E402
+from grouped_search import (SMEM, Tiles, error_ratio, measure, merge_run, pick_variant, search, summary,  # noqa: E402
+                            sweep_counts, time_paths, write_winners)
 from skinny_gemm import compile_in_workers  # noqa: E402
 
 from armillary.kernels import fp4 as ref  # noqa: E402
@@ -131,16 +132,9 @@ def compile_jobs(token_counts: list[int]) -> list[dict]:
 def same_run_context(experts: Experts, inputs: tuple, want: torch.Tensor, tokens: int) -> dict:
     """µs and error against the defaults of the dequant path and of the bf16 MoE alone (inf where one fails)."""
     x, w, ids = inputs
-    calls = {"dequant": lambda: fp4_moe.fp4_fused_moe(x, *experts.fp4, w, ids, "silu", grouped="dequant"),
-             "bf16": lambda: bf16_moe.fused_moe(x, *experts.bf16, w, ids, "silu")}
-    context = {}
-    for name, fn in calls.items():
-        try:
-            us, out = time_us(fn, tokens)
-            context[name] = {"us": us, "err": error_ratio(out, want)}
-        except Exception as e:  # context only: the sweep goes on
-            context[name] = {"us": math.inf, "err": None, "error": f"{type(e).__name__}: {str(e)[:160]}"}
-    return context
+    return time_paths({"dequant": (lambda: fp4_moe.fp4_fused_moe(x, *experts.fp4, w, ids, "silu", grouped="dequant"),
+                                   want),
+                       "bf16": (lambda: bf16_moe.fused_moe(x, *experts.bf16, w, ids, "silu"), want)}, tokens)
 
 
 def sweep_tokens(experts: Experts, tokens: int, deadline: float, min_gain: float) -> dict:
@@ -157,21 +151,8 @@ def sweep_tokens(experts: Experts, tokens: int, deadline: float, min_gain: float
           f"{reference_err:.1e}); dequant path {context['dequant']['us']:.1f} us, bf16 MoE {context['bf16']['us']:.1f} us",
           flush=True)
     result = search(run, TILE, plan(tokens), key, tokens, default, want, base, deadline, min_gain)
-    return {**result, **pick_variant(result, context, min_gain), "reference_err": reference_err, "context": context}
-
-
-def pick_variant(result: dict, context: dict, min_gain: float) -> dict:
-    """The bucket's path: "dequant" where unpacking the experts beats the fastest grouped launch timed (the
-    defaults or the winner) by more than ``min_gain`` (at least 0), its entry then ``{"variant": "dequant"}``; else "grouped",
-    the tile winner's entry (if any) saying so."""
-    grouped_us = min(result["default_us"], result["best_us"])
-    dequant = context["dequant"]
-    margin = max(min_gain, 0.0)  # a negative --min-gain (the smoke test's) takes any tile winner, never a slower path
-    if dequant["err"] is not None and dequant["err"] <= TOL and dequant["us"] < (1 - margin) * grouped_us:
-        print(f"{result['key']} T={result['tokens']}: the dequant path {dequant['us']:.1f} us beats the grouped "
-              f"kernel's {grouped_us:.1f} us -> variant dequant", flush=True)
-        return {"variant": "dequant", "entry": {"variant": "dequant"}}
-    return {"variant": "grouped", "entry": result["entry"] and {"variant": "grouped", **result["entry"]}}
+    return {**result, **pick_variant(result, context["dequant"], min_gain), "reference_err": reference_err,
+            "context": context}
 
 
 def main() -> None:
@@ -215,11 +196,7 @@ def main() -> None:
     results, entry = sweep_counts(lambda tokens, until: sweep_tokens(experts, tokens, until, args.min_gain),
                                   token_counts, deadline, out, "fp4_moe_grouped", fp4_moe.GROUPED_KERNEL, info, start)
     for r in results:  # the summary: one line per bucket
-        best = TILE.text(r["best"]) if r["best"] else "-"
-        won = "the dequant path" if r["variant"] == "dequant" else best if r["entry"] else "the defaults"
-        print(f"winner {r['key']} T={r['tokens']}: {won}; best grouped candidate {best} "
-              f"{r['best_us']:.1f} us vs the defaults {r['default_us']:.1f} us ({r['speedup']:.3f}x); dequant path "
-              f"{r['context']['dequant']['us']:.1f} us, bf16 MoE {r['context']['bf16']['us']:.1f} us", flush=True)
+        print(summary(r, TILE), flush=True)
     print(f'"{fp4_moe.GROUPED_KERNEL}" entry ({len(entry)} keys): {json.dumps(entry)}')
     if args.write:
         write_winners(entry, fp4_moe.GROUPED_KERNEL, SCRIPT, args.table, table_path(PACKAGE, "sm_90"), out, CPU,

@@ -5,7 +5,7 @@ loading to 128 x 128 block fp8 (``quantization="fp8_block"``: the layout of the 
 checkpoint). Phases (``--phase``, comma-separated; each prints one line per figure and adds to
 the JSON written to ``$OUT/fp8_bench.json``):
 
-- ``speed``: batch-1 decode (1K prompt, 256 new), 64 streams (1K prompt, 128 new), 16K prefill,
+- ``speed``: batch-1 decode (1K prompt, 256 new), 64 streams (1K prompt, 128 new), 2K and 16K prefill,
   with fp8 KV (high-precision layers ``auto``) and CUDA graphs; each against its roofline (copy
   bandwidth and fp8 ``_scaled_mm`` rate measured here).
 - ``kv``: KV pool token count at the same ``--gpu-memory-utilization`` for bf16 KV, fp8 KV (auto)
@@ -147,11 +147,12 @@ def phase_speed(path: Path, cfg: dict, args, bw: float, flops: float, s: int) ->
         res = ours.run(batch, prompt, new)
         roof = batch * bw / fp8_decode_bytes(cfg, batch, prompt + new // 2, n_fp8)
         report(name, res["decode_tok_s"], f"{res['decode_tok_s'] / roof:.0%} of roofline {roof:.0f}")
-    n = 16384 // s
-    res = ours.run(1, n, 1)
-    tps = n / res["ttft"]
-    roof = flops / prefill_flops_per_token(cfg, n)
-    report("prefill tok/s 16K", tps, f"TTFT {res['ttft'] * 1e3:.0f} ms; {tps / roof:.0%} of fp8 roofline {roof:.0f}")
+    for label, n in (("2K", 2048 // s), ("16K", 16384 // s)):
+        res = ours.run(1, n, 1)
+        tps = n / res["ttft"]
+        roof = flops / prefill_flops_per_token(cfg, n)
+        report(f"prefill tok/s {label}", tps,
+               f"TTFT {res['ttft'] * 1e3:.0f} ms; {tps / roof:.0%} of fp8 roofline {roof:.0f}")
     free(ours)
 
 

@@ -1,6 +1,6 @@
 """Launch-config sweep of the FP8 grouped MoE (``fp8_fused_moe`` grouped path: 64-stream decode and prefill) per rows-per-expert bucket, the whole call timed.
 
-    python bench/fp8_moe_grouped_sweep.py --deadline-s 110           # H200: Qwen3.6 FP8 experts, JSON to $OUT
+    python bench/fp8_moe_grouped_sweep.py --deadline-s 240           # H200: Qwen3.6 FP8 experts, JSON to $OUT
     python bench/fp8_moe_grouped_sweep.py --model nemotron           # a plugin model's expert shape, fp8 blocks
     python bench/fp8_moe_grouped_sweep.py --merge DIR/fp8_moe_grouped_table.json   # no GPU: merge a GPU run's
                                                                      # entry into that model's plugin's tuning/sm_90.json
@@ -10,14 +10,16 @@
 Shape: Qwen3.6-35B-A3B-FP8 (H 2048, I 512, 256 routed experts + the shared one stacked as id 256, ids
 [T, 8 + 1] with the shared id last), 128 x 128 block e4m3 weights (``fp8.quantize_blocks``); ``--model M``:
 that plugin model's ``FusedMoE`` shape (decode_shapes.py) with the same blocks. One weight copy: every
-token count streams far more than the 50 MB L2. Per token count (64: 64 decode streams, 2048 and 16384:
-prefill chunks), at each BLOCK_M candidate: the up GEMM's (BLOCK_N1, num_warps1, num_stages1, GROUP_M1)
+token count streams far more than the 50 MB L2. Per token count (one per rows-per-expert bucket: 64 = 64
+decode streams, up to 16384-token prefill chunks), at each BLOCK_M candidate: the up GEMM's (BLOCK_N1, num_warps1, num_stages1, GROUP_M1)
 candidates with the down GEMM at today's tiles, then the down GEMM's with the best up; every run is the
 whole ``fp8_fused_moe(..., grouped=True, tiles=cfg)`` call (activation quantization, align, both GEMMs,
 the top-k sum), in a CUDA graph of 20 calls up to 4096 tokens (grouped_search), CUDA events over eager calls above.
 Each candidate's output is checked against the defaults' (norm ratio, <= 1e-2 and finite, else rejected).
-A bucket's winner enters the table only when it beats the defaults by more than --min-gain (3%); the
-defaults and the winner are timed once more, side by side, for the final figure. Candidates compile in
+Beside them, same run: the dequant path (experts unpacked, core's bf16 MoE) and the bf16 MoE alone, both
+checked against the weight-only reference. A bucket's entry is ``{"variant": "dequant"}`` where the dequant
+path beats the fastest grouped launch by more than --min-gain (3%), else the tile winner where it beats the
+defaults by that much (the defaults and the winner timed once more, side by side), else none. Candidates compile in
 spawned worker processes first (Triton's disk cache). Writes $OUT/fp8_moe_grouped_sweep.json and
 $OUT/fp8_moe_grouped_table.json ({"fp8_moe_grouped": {key: cfg}}).
 """
@@ -43,16 +45,19 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from armillary.kernels import fp8 as ref  # noqa: E402
 from armillary.kernels.triton import fp8_moe  # noqa: E402
+from armillary.kernels.triton import moe as bf16_moe  # noqa: E402
+from armillary.kernels.triton.fp8_gemm import dequantize_blocks  # noqa: E402
 from autotune import table_path  # noqa: E402
 from decode_shapes import MODELS, PACKAGES, MoeShape, moe_shapes  # noqa: E402
-from grouped_search import SMEM, Tiles, measure, merge_run, search, sweep_counts, write_winners  # noqa: E402
+from grouped_search import (SMEM, Tiles, measure, merge_run, pick_variant, search, summary, sweep_counts,  # noqa: E402
+                            time_paths, write_winners)
 from skinny_gemm import compile_in_workers  # noqa: E402
 
 DEVICE = "cpu" if SMOKE else "cuda"
 DTYPE = torch.float32 if SMOKE else torch.bfloat16  # the interpreter miscomputes bf16
 QWEN = MoeShape(experts=257, shared=1, pairs=9, hidden=2048, inter=512, activation="silu", gated=True)
 BLOCK = (128, 128)
-TOKENS = (64, 2048, 16384)
+TOKENS = (64, 128, 256, 512, 1024, 2048, 4096, 16384)  # r4 .. r512: one count per bucket
 # BLOCK_M candidates by average rows per expert (the first bucket with avg <= the bound)
 BLOCK_MS = ((8, (16, 32, 64)), (64, (16, 32, 64)), (256, (32, 64, 128)), (1 << 30, (64, 128)))
 # per GEMM: (BLOCK_N, num_warps, num_stages, GROUP_M); today's tiles at each BLOCK_M are timed first
@@ -150,8 +155,24 @@ def sweep_tokens(experts: Experts, tokens: int, deadline: float, min_gain: float
     run = functools.partial(experts.run, *inputs)
     want = run(default).float()
     base = measure(run, default, None, tokens)
-    print(f"{key} T={tokens} defaults {TILE.text(default)}: {base['us']:.1f} us", flush=True)
-    return search(run, TILE, plan(shape, tokens), key, tokens, default, want, base, deadline, min_gain)
+    context = same_run_context(experts, inputs, tokens)
+    print(f"{key} T={tokens} defaults {TILE.text(default)}: {base['us']:.1f} us; dequant path "
+          f"{context['dequant']['us']:.1f} us, bf16 MoE {context['bf16']['us']:.1f} us", flush=True)
+    result = search(run, TILE, plan(shape, tokens), key, tokens, default, want, base, deadline, min_gain)
+    return {**result, **pick_variant(result, context["dequant"], min_gain), "context": context}
+
+
+def same_run_context(experts: Experts, inputs: tuple, tokens: int) -> dict:
+    """µs of the dequant path (experts unpacked, core's bf16 MoE) and of the bf16 MoE alone on the unpacked
+    experts, each checked against the weight-only reference (activations unquantized, as both compute)."""
+    x, w, ids = inputs
+    e = experts
+    want = ref.fused_moe(x, e.w13, e.s13, e.w2, e.s2, *BLOCK, w, ids, e.shape.activation).float()
+    w13, w2 = (dequantize_blocks(q, sc, *BLOCK, x.dtype) for q, sc in ((e.w13, e.s13), (e.w2, e.s2)))
+    context = time_paths({"dequant": (lambda: fp8_moe.fp8_fused_moe(x, e.w13, e.s13, e.w2, e.s2, *BLOCK, w, ids,
+                                                                    e.shape.activation, grouped="dequant"), want),
+                          "bf16": (lambda: bf16_moe.fused_moe(x, w13, w2, w, ids, e.shape.activation), want)}, tokens)
+    return context
 
 
 def model_shape(model: str) -> MoeShape:
@@ -171,7 +192,7 @@ def main() -> None:
     ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     ap.add_argument("--smoke", action="store_true", help="--tiny --device cpu")
     ap.add_argument("--tokens", default=",".join(map(str, TOKENS)))
-    ap.add_argument("--deadline-s", type=float, default=110.0, help="stop timing candidates after this; write anyway")
+    ap.add_argument("--deadline-s", type=float, default=240.0, help="stop timing candidates after this; write anyway")
     ap.add_argument("--min-gain", type=float, default=0.03, help="a winner must beat the defaults by this")
     ap.add_argument("--workers", type=int, default=1 if SMOKE else min(12, os.cpu_count() or 1))
     ap.add_argument("--write", action="store_true", help="merge the entries into --table")
@@ -206,9 +227,7 @@ def main() -> None:
     results, entry = sweep_counts(lambda tokens, until: sweep_tokens(experts, tokens, until, args.min_gain),
                                   token_counts, deadline, out, "fp8_moe_grouped", fp8_moe.GROUPED_KERNEL, info, start)
     for r in results:  # the summary: one line per bucket
-        best = TILE.text(r["best"]) if r["best"] else "-"
-        print(f"winner {r['key']} T={r['tokens']}: {best if r['entry'] else 'the defaults'}; best candidate {best} "
-              f"{r['best_us']:.1f} us vs the defaults {r['default_us']:.1f} us ({r['speedup']:.3f}x)", flush=True)
+        print(summary(r, TILE), flush=True)
     print(f'"{fp8_moe.GROUPED_KERNEL}" entry ({len(entry)} keys): {json.dumps(entry)}')
     if args.write:
         write_winners(entry, fp8_moe.GROUPED_KERNEL, SCRIPT, args.table, table_path(PACKAGES[args.model], "sm_90"),

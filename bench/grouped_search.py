@@ -3,7 +3,8 @@
 Per token count: for each BLOCK_M candidate the up GEMM's tiles with the down GEMM at today's, then the down
 GEMM's with the best up; each run is one whole MoE call timed by ``time_us`` and checked by ``measure``
 against the defaults' output; the best non-default config wins a table key only when it beats the defaults by
-more than ``min_gain`` in a side-by-side re-run. Also the files both write and the table merge.
+more than ``min_gain`` in a side-by-side re-run, and the dequant path (``time_paths``) takes the bucket where it
+beats every grouped launch (``pick_variant``). Also the files both write and the table merge.
 """
 from __future__ import annotations
 
@@ -139,6 +140,40 @@ def search(run: Callable[[dict], torch.Tensor], tiles: Tiles, plan: list[tuple[i
           f"{'table entry' if entry else 'no entry (the defaults stay)'}", flush=True)
     return {**result, "default_us": default_us, "best": best["config"], "best_us": best_us,
             "speedup": default_us / best_us, "best_err": best["err"], "entry": entry}
+
+
+def time_paths(calls: dict[str, tuple[Callable[[], torch.Tensor], torch.Tensor]], tokens: int) -> dict:
+    """µs of each named call timed beside the sweep and its error against its own ``want`` (inf where it fails)."""
+    context = {}
+    for name, (fn, want) in calls.items():
+        try:
+            us, out = time_us(fn, tokens)
+            context[name] = {"us": us, "err": error_ratio(out, want)}
+        except Exception as e:  # context only: the sweep goes on
+            context[name] = {"us": math.inf, "err": None, "error": f"{type(e).__name__}: {str(e)[:160]}"}
+    return context
+
+
+def pick_variant(result: dict, dequant: dict, min_gain: float) -> dict:
+    """The bucket's path: "dequant" where unpacking the experts (``dequant``: ``time_paths``' row) beats the
+    fastest grouped launch timed (the defaults or the winner) by more than ``min_gain`` (at least 0), its entry
+    then ``{"variant": "dequant"}``; else "grouped", the tile winner's entry (if any) saying so."""
+    grouped_us = min(result["default_us"], result["best_us"])
+    margin = max(min_gain, 0.0)  # a negative --min-gain (the smoke tests') takes any tile winner, never a slower path
+    if dequant["err"] is not None and dequant["err"] <= TOL and dequant["us"] < (1 - margin) * grouped_us:
+        print(f"{result['key']} T={result['tokens']}: the dequant path {dequant['us']:.1f} us beats the grouped "
+              f"kernel's {grouped_us:.1f} us -> variant dequant", flush=True)
+        return {"variant": "dequant", "entry": {"variant": "dequant"}}
+    return {"variant": "grouped", "entry": result["entry"] and {"variant": "grouped", **result["entry"]}}
+
+
+def summary(r: dict, tiles: Tiles) -> str:
+    """One result's closing line: the winner, the best grouped candidate against the defaults, the paths beside."""
+    best = tiles.text(r["best"]) if r["best"] else "-"
+    won = "the dequant path" if r["variant"] == "dequant" else best if r["entry"] else "the defaults"
+    paths = "; ".join(f"{name} {row['us']:.1f} us" for name, row in r["context"].items())
+    return (f"winner {r['key']} T={r['tokens']}: {won}; best grouped candidate {best} {r['best_us']:.1f} us vs the "
+            f"defaults {r['default_us']:.1f} us ({r['speedup']:.3f}x); {paths}")
 
 
 def sweep_counts(sweep_tokens: Callable[[int, float], dict], token_counts: list[int], deadline: float, out: Path,

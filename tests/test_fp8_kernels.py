@@ -93,6 +93,20 @@ def test_activation_quantization_is_the_references(m, k, group):
     assert torch.equal(s.t(), want_s)
 
 
+@pytest.mark.parametrize("lead,n,k,block", [((), 63, 160, (16, 32)), ((3,), 96, 60, (128, 128)),
+                                            ((2,), 40, 48, (1, 1 << 30))])  # fmt: skip
+def test_dequantize_blocks_is_the_reference(lead, n, k, block):
+    """Odd sizes: blocks past N and K, a stack of experts, per-channel scales (bn 1, bk past K)."""
+    g = torch.Generator().manual_seed(n)
+    w = torch.randn(*lead, n, k, generator=g)
+    q, scale = ref.quantize_blocks(w, *block)
+    out = fp8_gemm.dequantize_blocks(q, scale, *block, torch.float32)
+    assert torch.equal(out, ref.dequantize(q, scale, *block, torch.float32))
+    out = fp8_gemm.dequantize_blocks(q, scale, *block, torch.bfloat16)  # the interpreter's bf16 cast truncates
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), ref.dequantize(q, scale, *block, torch.bfloat16).float(), rtol=2**-7, atol=0)
+
+
 def test_prefill_path_forced_at_few_rows():
     """``prefill: True`` takes the fp8 tensor-core GEMM at decode sizes (what a sweep compares)."""
     torch.manual_seed(7)

@@ -13,7 +13,7 @@ from tests.fixtures import grouped_sweeps
 
 T, ROUTED, K, H, I = 20, 5, 2, 160, 96  # K routed slots + the shared expert (id ROUTED) last; 60 pairs, r16
 KEY = "e6_h160_i96_k3_r16"
-TODAY_GPU = {"BLOCK_N1": 128, "num_warps1": 4, "num_stages1": 4, "GROUP_M1": 0,
+TODAY_GPU = {"variant": "grouped", "BLOCK_N1": 128, "num_warps1": 4, "num_stages1": 4, "GROUP_M1": 0,
              "BLOCK_N2": 128, "num_warps2": 4, "num_stages2": 4, "GROUP_M2": 0}  # fmt: skip
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # CPU: the interpreter (root conftest)
 
@@ -59,7 +59,7 @@ def test_defaults_are_todays_tiles(monkeypatch):
     _set_table(monkeypatch, {})
     cpu = torch.device("cpu")
     assert fp8_moe.grouped_config(6, H, I, 3, 60, cpu) == {
-        "BLOCK_M": 16, "BLOCK_N1": 32, "num_warps1": 4, "num_stages1": 1, "GROUP_M1": 0,
+        "variant": "grouped", "BLOCK_M": 16, "BLOCK_N1": 32, "num_warps1": 4, "num_stages1": 1, "GROUP_M1": 0,
         "BLOCK_N2": 32, "num_warps2": 4, "num_stages2": 1, "GROUP_M2": 0}  # fmt: skip
     monkeypatch.setattr(fp8_skinny, "OFFLINE_SM_COUNT", 132)  # GPU launch configs without a GPU
     assert fp8_moe.grouped_config(257, 2048, 512, 9, 576, cpu) == {"BLOCK_M": 16, **TODAY_GPU}
@@ -95,6 +95,28 @@ def test_table_entry_reaches_the_launch(monkeypatch):
         fp8_moe.fp8_fused_moe(x[:12], w13, s13, w2, s2, bn, bk, weights[:12], ids[:12], "silu", grouped=True)
 
 
+def test_variant_dequant_takes_the_unpacked_experts(monkeypatch):
+    """A bucket whose entry says "dequant" runs core's bf16 MoE on the unpacked experts, weight-only (grouped=True
+    still forces the fp8 kernel); an unknown variant is named."""
+    from armillary.kernels.triton import moe as bf16_moe
+
+    _set_table(monkeypatch, {"fp8_moe_grouped": {KEY: {"variant": "dequant"}, "e6_h160_i96_k3_r8": {"variant": "x"}}})
+    calls, spy = [], _Spy(fp8_moe._grouped_kernel)
+    real = bf16_moe.fused_moe
+    monkeypatch.setattr(bf16_moe, "fused_moe", lambda *a, **kw: calls.append(a[1].shape) or real(*a, **kw))
+    monkeypatch.setattr(fp8_moe, "_grouped_kernel", spy)
+    monkeypatch.setattr(fp8_moe, "GEMV_MAX_PAIRS", 8)  # 60 and 36 pairs: past the GEMV path
+    args = _moe((16, 32), seed=2)
+    out = fp8_moe.fp8_fused_moe(*args, "silu")
+    assert calls == [(ROUTED + 1, 2 * I, H)] and not spy.launches  # the whole w13, unpacked
+    assert _ratio(out, ref.fused_moe(*args, "silu")) < 1e-5  # activations unquantized
+    fp8_moe.fp8_fused_moe(*args, "silu", grouped=True)
+    assert len(calls) == 1 and len(spy.launches) == 2
+    x, w13, s13, w2, s2, bn, bk, weights, ids = args
+    with pytest.raises(ValueError, match="variant must be one of"):  # 12 tokens read r8
+        fp8_moe.fp8_fused_moe(x[:12], w13, s13, w2, s2, bn, bk, weights[:12], ids[:12], "silu")
+
+
 @pytest.mark.parametrize("block,tiles", [
     ((16, 32), {"BLOCK_M": 32, "BLOCK_N1": 16, "GROUP_M1": 2, "BLOCK_N2": 64, "GROUP_M2": 5}),
     ((128, 128), {"BLOCK_M": 16, "BLOCK_N1": 64, "num_stages1": 2, "BLOCK_N2": 256, "GROUP_M2": 1}),
@@ -117,6 +139,9 @@ def smoke(tmp_path_factory) -> tuple[Path, dict]:
 def test_smoke_sweep_checks_and_writes(smoke):
     out, result = smoke
     assert [r["key"] for r in result["results"]] == ["e6_h80_i48_k3_r2", "e6_h80_i48_k3_r16"]
+    for r in result["results"]:  # the dequant path and the bf16 MoE against the weight-only reference
+        assert set(r["context"]) == {"dequant", "bf16"} and all(c["err"] < 1e-2 for c in r["context"].values())
+        assert r["variant"] == "grouped"  # the interpreter's dequant path is slower: never a slower path
     rows = [row for r in result["results"] for row in r["rows"]]
     assert all(row["ok"] and row["err"] <= 1e-2 for row in rows), [row for row in rows if not row["ok"]]
     assert {row["config"]["BLOCK_M"] for row in rows} == {16, 32}

@@ -36,6 +36,7 @@ from armillary.kernels import tuning
 from armillary.kernels.triton.fp4_gemv import FOLD, as_words, dequant_halves, dequantize, word_products
 from armillary.kernels.triton.fp8_moe import _FUSED_ACTS, _IDENTITY, _act, gemv_config_key, grouped_config_key
 from armillary.kernels.triton.fp8_skinny import on_gpu, pdl_options
+from armillary.kernels.triton import moe as bf16_moe
 from armillary.kernels.triton.moe_align import moe_align
 from armillary.kernels.triton.pdl import pdl_prologue
 
@@ -327,8 +328,6 @@ def fp4_fused_moe(x: torch.Tensor, w13: torch.Tensor, s13: torch.Tensor, g13: to
     if cfg["variant"] not in VARIANTS:
         raise ValueError(f"fp4 grouped MoE: variant must be one of {VARIANTS}, not {cfg['variant']!r}")
     if grouped == "dequant" or (grouped is None and cfg["variant"] == "dequant"):
-        from armillary.kernels.triton import moe as bf16_moe
-
         return bf16_moe.fused_moe(x, dequantize(w13, s13, g13, x.dtype), dequantize(w2, s2, g2, x.dtype),
                                   topk_weights, topk_ids, activation)
     up, down = _grouped_tiles(cfg)

@@ -1,4 +1,4 @@
-"""Block-scaled FP8 GEMM for prefill on the fp8 tensor cores, its activation quantization pass, and ``fp8_linear`` (which picks it or the skinny decode GEMM).
+"""Block-scaled FP8 GEMM for prefill on the fp8 tensor cores, its activation quantization pass, a one-launch block dequantization, and ``fp8_linear`` (which picks it or the skinny decode GEMM).
 
 ``y = x @ (W · S).T``: W float8_e4m3fn [N, K], S fp32 [ceil(N / bn), ceil(K / bk)] (per-channel:
 bn 1, bk >= K). Up to ``fp8_skinny.DECODE_MAX_ROWS`` rows stream W with x unquantized
@@ -15,6 +15,9 @@ bn 1, bk >= K). Up to ``fp8_skinny.DECODE_MAX_ROWS`` rows stream W with x unquan
   the same quantization (rows padded) into cuBLASLt's block-scaled ``torch._scaled_mm``
   (fp8_scaled_mm.py), about twice the Triton GEMM's rate on an H200.
 
+``dequantize_blocks`` unpacks a block-scaled weight (or a stack of experts) into x's dtype in one launch,
+for paths that trade a transient copy for bf16 GEMMs (fp8_moe's dequant variant).
+
 Reference: ``armillary.kernels.fp8.linear_w8a8`` (prefill) / ``linear`` (decode).
 """
 from __future__ import annotations
@@ -28,7 +31,7 @@ from armillary.kernels.triton import fp8_scaled_mm
 from armillary.kernels.triton.fp8_cast import exact_div, to_e4m3
 from armillary.kernels.triton.fp8_skinny import DECODE_MAX_ROWS, fp8_skinny_gemm, on_gpu
 
-__all__ = ["DECODE_MAX_ROWS", "act_group", "fp8_linear", "prefill_config", "quantize_act", "use_scaled_mm"]
+__all__ = ["DECODE_MAX_ROWS", "act_group", "dequantize_blocks", "fp8_linear", "prefill_config", "quantize_act", "use_scaled_mm"]
 _QUANT_ELEMS = 2048  # elements of x per quantization program
 
 
@@ -98,6 +101,39 @@ def _fp8_block_gemm_kernel(
         acc += tl.load(b_ptr + rows_w).to(tl.float32)[None, :]
     dst = out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
     tl.store(dst, acc.to(out_ptr.dtype.element_ty), mask=(offs_m < M)[:, None] & (offs_n < N)[None, :])
+
+
+@triton.jit
+def _dequant_blocks_kernel(w_ptr, s_ptr, out_ptr, N, K, SCALE_ROWS, SCALE_COLS, GROUP_N: tl.constexpr,
+                           GROUP_K: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    """Grid (lead * cdiv(N, BR), cdiv(K, BC)): out[e, n, k] = w[e, n, k] · s[e, n / GROUP_N, k / GROUP_K] in
+    out's dtype (fp32 product, rounded once); w [lead, N, K], s [lead, SCALE_ROWS, SCALE_COLS], out like w,
+    all contiguous."""
+    tiles_n = tl.cdiv(N, BLOCK_R)
+    lead = (tl.program_id(0) // tiles_n).to(tl.int64)
+    r = (tl.program_id(0) % tiles_n) * BLOCK_R + tl.arange(0, BLOCK_R)
+    c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    ok = (r < N)[:, None] & (c < K)[None, :]
+    at = lead * N * K + r.to(tl.int64)[:, None] * K + c[None, :]
+    w = tl.load(w_ptr + at, mask=ok, other=0.0).to(tl.float32)
+    sc = tl.load(s_ptr + lead * SCALE_ROWS * SCALE_COLS + (r // GROUP_N)[:, None] * SCALE_COLS + (c // GROUP_K)[None, :],
+                 mask=ok, other=0.0)
+    tl.store(out_ptr + at, (w * sc).to(out_ptr.dtype.element_ty), mask=ok)
+
+
+def dequantize_blocks(weight: torch.Tensor, scale: torch.Tensor, block_n: int, block_k: int,
+                      dtype: torch.dtype) -> torch.Tensor:
+    """fp8 [..., N, K] with block scales [..., ceil(N / bn), ceil(K / bk)] -> [..., N, K] in ``dtype``, one
+    launch: ``armillary.kernels.fp8.dequantize`` (the product in fp32, rounded once)."""
+    *lead, n, k = weight.shape
+    out = torch.empty(*lead, n, k, dtype=dtype, device=weight.device)
+    count = weight.numel() // max(n * k, 1)
+    if out.numel():
+        br, bc = (32, 256) if on_gpu(weight.device) else (8, 32)
+        _dequant_blocks_kernel[(count * triton.cdiv(n, br), triton.cdiv(k, bc))](
+            weight.contiguous(), scale.float().contiguous(), out, n, k, scale.shape[-2], scale.shape[-1],
+            GROUP_N=block_n, GROUP_K=block_k, BLOCK_R=br, BLOCK_C=bc, num_warps=4)
+    return out
 
 
 def act_group(k: int, block_k: int) -> int:

@@ -18,6 +18,10 @@ Weights are float8_e4m3fn [E, N, K] with fp32 block scales [E, ceil(N / bn), cei
   reduction. Rows per tile, each GEMM's tile width, warps, stages and GROUP_M swizzle come from the
   "fp8_moe_grouped" tuning entry (keyed by experts, hidden, intermediate, top-k and rows per expert;
   ``bench/fp8_moe_grouped_sweep.py`` measures it); BLOCK_K is the 128-column scale group.
+- dequant (prefill, where the bucket's entry says ``"variant": "dequant"``, which the sweep writes where
+  it beats the grouped kernel): every expert unpacked once into x's dtype (``fp8_gemm.dequantize_blocks``)
+  and core's bf16 Triton MoE, weight-only (activations unquantized), at the cost of a transient bf16 copy
+  of all experts.
 
 Reference: ``armillary.kernels.fp8.fused_moe`` (``quantize_input=True`` for the grouped path).
 """
@@ -29,9 +33,10 @@ import triton.language as tl
 
 from armillary.kernels import tuning
 from armillary.kernels.activation import act_and_mul, get_activation
-from armillary.kernels.triton.fp8_gemm import act_group, quantize_act
+from armillary.kernels.triton.fp8_gemm import act_group, dequantize_blocks, quantize_act
 from armillary.kernels.triton.fp8_skinny import (WIDE_FOLD, fp8_row_products, fp8_row_scales, fp8_x_tile, k_layout,
                                                  on_gpu, pdl_options)
+from armillary.kernels.triton import moe as bf16_moe
 from armillary.kernels.triton.moe_align import moe_align
 from armillary.kernels.triton.pdl import pdl_prologue
 
@@ -46,6 +51,7 @@ GEMV_DEFAULTS = {"BLOCK_N1": 2, "BLOCK_K1": 1024, "num_warps1": 2, "num_stages1"
                  "BLOCK_N2": 4, "BLOCK_K2": 512, "num_warps2": 4, "num_stages2": 1}
 INTERPRETER_DEFAULTS = {**GEMV_DEFAULTS, "BLOCK_N1": 4, "num_warps1": 4}  # CPU: fewer, larger programs
 GROUPED_KERNEL = "fp8_moe_grouped"
+VARIANTS = ("grouped", "dequant")  # the grouped entry's "variant": the fp8 tile kernel, or unpacked experts
 GROUPED_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)  # avg rows per expert; finer than bf16's (64 streams: r4,
 # their 2-token verify steps: r8). Keys per GEMM, suffix 1 up / 2 down; GROUP_M 0: grid (blocks, N tiles), > 0:
 # that many expert-sorted blocks walk the N tiles together (a 1-D grid)
@@ -340,12 +346,12 @@ def grouped_block_m(num_pairs: int, gpu: bool) -> int:
 
 
 def grouped_defaults(num_pairs: int, gpu: bool, block_m: int | None = None) -> dict:
-    """The grouped launch without a table entry: ``block_m`` (None: grouped_block_m) rows, 128-wide tiles
+    """The grouped launch without a table entry (variant "grouped"): ``block_m`` (None: grouped_block_m) rows, 128-wide tiles
     (32 in the interpreter), 8 warps for 128-row tiles (the dense prefill GEMM's config), else 4; 4 stages."""
     bm = grouped_block_m(num_pairs, gpu) if block_m is None else block_m
     bn, warps, stages = (128, 8 if bm >= 128 else 4, 4) if gpu else (32, 4, 1)
-    return {"BLOCK_M": bm, **{f"{key}{gemm}": value for gemm in (1, 2)
-                              for key, value in zip(_GROUPED_TILE_KEYS, (bn, warps, stages, 0))}}
+    return {"variant": "grouped", "BLOCK_M": bm, **{f"{key}{gemm}": value for gemm in (1, 2)
+                                                    for key, value in zip(_GROUPED_TILE_KEYS, (bn, warps, stages, 0))}}
 
 
 def grouped_config_key(num_experts: int, hidden: int, inter: int, top_k: int, num_pairs: int) -> str:
@@ -375,9 +381,11 @@ def _grouped_tile(cfg: dict, gemm: int) -> dict:
 
 def fp8_fused_moe(x: torch.Tensor, w13: torch.Tensor, s13: torch.Tensor, w2: torch.Tensor, s2: torch.Tensor,
                   block_n: int, block_k: int, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-                  activation: str = "silu", grouped: bool | None = None, block_m: int | None = None,
+                  activation: str = "silu", grouped: bool | str | None = None, block_m: int | None = None,
                   gemv: dict | None = None, tiles: dict | None = None) -> torch.Tensor:
-    """x [T, H] (unit last stride) -> [T, H] in x's dtype; ``grouped`` forces a path (None: by pair count),
+    """x [T, H] (unit last stride) -> [T, H] in x's dtype; ``grouped`` forces a path (False: GEMV, True: the
+    grouped kernel, "dequant": unpacked experts and the bf16 MoE; None: GEMV up to GEMV_MAX_PAIRS pairs, then
+    the bucket's ``variant``),
     ``block_m`` the grouped path's rows per tile with today's tiles for it, no table (None: the table's
     ``grouped_config``); ``gemv`` / ``tiles`` override keys of the GEMV / grouped path's config (tests, sweeps)."""
     t, k = topk_ids.shape
@@ -394,6 +402,12 @@ def fp8_fused_moe(x: torch.Tensor, w13: torch.Tensor, s13: torch.Tensor, w2: tor
     else:
         cfg = grouped_defaults(num_pairs, on_gpu(x.device), block_m)
     cfg.update(tiles or {})
+    if cfg["variant"] not in VARIANTS:
+        raise ValueError(f"fp8 grouped MoE: variant must be one of {VARIANTS}, not {cfg['variant']!r}")
+    if grouped == "dequant" or (grouped is None and cfg["variant"] == "dequant"):
+        return bf16_moe.fused_moe(x, dequantize_blocks(w13, s13, block_n, block_k, x.dtype),
+                                  dequantize_blocks(w2, s2, block_n, block_k, x.dtype), topk_weights, topk_ids,
+                                  activation)
     if cfg["BLOCK_M"] < 16 or cfg["BLOCK_M"] & (cfg["BLOCK_M"] - 1):
         raise ValueError(f"fp8 grouped MoE: BLOCK_M must be a power of two >= 16, not {cfg['BLOCK_M']}")
     up, down = _grouped_tile(cfg, 1), _grouped_tile(cfg, 2)
