@@ -7,8 +7,9 @@ Phases (``--phase``, comma-separated; one line per figure, JSON to ``$OUT/nvfp4_
   copy bandwidth); at M = 8 / 64 the same; prefill at 256 .. 16384 rows: the three NVFP4 variants
   (bf16 dequantized tile, fp8 re-rounded tile, whole weight unpacked then cuBLAS) vs the FP8 block
   GEMM and bf16 cuBLAS (TFLOP/s); the fused MoE at 1 / 8 / 64 / 2048 tokens, NVFP4 (GEMV / grouped,
-  and unpacked experts + the bf16 MoE) vs FP8 vs bf16 Triton. Timings replay CUDA graphs
-  over rotated weight copies (HBM, not L2), as bench/fp8_gpu_checks.py.
+  and unpacked experts + the bf16 MoE) vs FP8 vs bf16 Triton, under the Qwen plugin's launch tables (as the
+  served model reads them). Timings replay CUDA graphs over rotated weight copies (HBM, not L2), as
+  bench/fp8_gpu_checks.py.
 - ``sweep``: bench/fp4_skinny_sweep.py and bench/fp4_moe_gemv_sweep.py (the ``fp4_skinny`` / ``fp4_moe_gemv``
   launch tables; their ``--write`` merges into the Qwen plugin's tuning/sm_90.json), results under $OUT.
 - ``speed``: the engine on random weights (``load_format="dummy"``) for bf16, FP8 (``fp8_block``)
@@ -40,6 +41,7 @@ from qwen_bench import Ours, copy_bandwidth, real_config  # noqa: E402
 
 from armillary.kernels import fp4 as ref  # noqa: E402
 from armillary.kernels import fp8 as fp8_ref  # noqa: E402
+from armillary.kernels import tuning  # noqa: E402
 from armillary.kernels.triton import fp4_gemm, fp4_moe, fp8_gemm, fp8_moe  # noqa: E402
 from armillary.kernels.triton import moe as bf16_moe  # noqa: E402
 
@@ -232,7 +234,8 @@ def main() -> int:
     report("copy bandwidth GB/s", bw / 1e9)
     for phase in args.phase.split(","):
         if phase == "kernels":
-            phase_kernels(args.device, args.tiny, bw)
+            with tuning.overlay("armillary_qwen_gdn_moe"):  # the launch tables the served Qwen model reads
+                phase_kernels(args.device, args.tiny, bw)
         elif phase == "sweep":
             phase_sweep(args.device, args.tiny)
         elif phase == "speed":
