@@ -7,7 +7,6 @@ import pytest
 import torch
 
 from armillary.kernels import fp4 as ref
-from armillary.kernels import tuning
 from armillary.kernels.triton import fp4_moe, fp8_skinny
 from tests.fixtures import grouped_sweeps
 
@@ -35,26 +34,9 @@ def _moe(seed: int = 0):
     return tuple(a.to(DEVICE) for a in args)
 
 
-def _set_table(monkeypatch, table: dict) -> None:  # a fresh function each time: kernel_config's memo keys on it
-    monkeypatch.setattr(tuning, "load_table", lambda package, target: table)
-
-
-class _Spy:
-    """Stands in for ``_grouped_kernel``: records each launch's grid and launch keys, then runs it."""
-
-    def __init__(self, kernel) -> None:
-        self.kernel, self.launches = kernel, []
-
-    def __getitem__(self, grid):
-        def launch(*args, **kwargs):
-            self.launches.append({"grid": grid, **{k: kwargs[k] for k in LAUNCH_KEYS}})
-            return self.kernel[grid](*args, **kwargs)
-        return launch
-
-
 def test_defaults_are_todays_tiles(monkeypatch):
     assert fp4_moe.grouped_config_key(257, 2048, 512, 9, 2048 * 9) == "e257_h2048_i512_k9_r128"
-    _set_table(monkeypatch, {})
+    grouped_sweeps.set_table(monkeypatch, {})
     cpu = torch.device("cpu")
     interp = {"BLOCK_N": 32, "BLOCK_K": 32, "num_warps": 4, "num_stages": 1}
     assert fp4_moe.grouped_config(6, H, I, 3, 60, cpu) == {
@@ -72,8 +54,8 @@ def test_defaults_are_todays_tiles(monkeypatch):
 
 def test_table_entry_reaches_the_launch(monkeypatch):
     entry = {"BLOCK_M": 32, "BLOCK_N1": 64, "BLOCK_K1": 64, "num_warps1": 2, "BLOCK_N2": 16, "num_stages2": 2}
-    _set_table(monkeypatch, {"fp4_moe_grouped": {"_comment": "test", KEY: entry, "e6_h160_i96_k3_r8": {"BLOCK_K1": 48}}})
-    spy = _Spy(fp4_moe._grouped_kernel)
+    grouped_sweeps.set_table(monkeypatch, {"fp4_moe_grouped": {"_comment": "test", KEY: entry, "e6_h160_i96_k3_r8": {"BLOCK_K1": 48}}})
+    spy = grouped_sweeps.LaunchSpy(fp4_moe._grouped_kernel, LAUNCH_KEYS)
     monkeypatch.setattr(fp4_moe, "_grouped_kernel", spy)
     args = _moe(seed=1)
     out = fp4_moe.fp4_fused_moe(*args, "silu", grouped=True)
@@ -97,8 +79,8 @@ def test_variant_dequant_takes_the_unpacked_experts(monkeypatch):
     the kernel); another bucket keeps the grouped kernel; an unknown variant is named."""
     from armillary.kernels.triton import moe as bf16_moe
 
-    _set_table(monkeypatch, {"fp4_moe_grouped": {KEY: {"variant": "dequant"}, "e6_h160_i96_k3_r8": {"variant": "x"}}})
-    calls, spy = [], _Spy(fp4_moe._grouped_kernel)
+    grouped_sweeps.set_table(monkeypatch, {"fp4_moe_grouped": {KEY: {"variant": "dequant"}, "e6_h160_i96_k3_r8": {"variant": "x"}}})
+    calls, spy = [], grouped_sweeps.LaunchSpy(fp4_moe._grouped_kernel, LAUNCH_KEYS)
     real = bf16_moe.fused_moe
     monkeypatch.setattr(bf16_moe, "fused_moe", lambda *a, **kw: calls.append(a[1].shape) or real(*a, **kw))
     monkeypatch.setattr(fp4_moe, "_grouped_kernel", spy)

@@ -7,7 +7,6 @@ import pytest
 import torch
 
 from armillary.kernels import fp8 as ref
-from armillary.kernels import tuning
 from armillary.kernels.triton import fp8_moe, fp8_skinny
 from tests.fixtures import grouped_sweeps
 
@@ -15,6 +14,7 @@ T, ROUTED, K, H, I = 20, 5, 2, 160, 96  # K routed slots + the shared expert (id
 KEY = "e6_h160_i96_k3_r16"
 TODAY_GPU = {"variant": "grouped", "BLOCK_N1": 128, "num_warps1": 4, "num_stages1": 4, "GROUP_M1": 0,
              "BLOCK_N2": 128, "num_warps2": 4, "num_stages2": 4, "GROUP_M2": 0}  # fmt: skip
+SPY_KEYS = ("BLOCK_M", "BLOCK_N", "GROUP_M", "num_warps", "num_stages")
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # CPU: the interpreter (root conftest)
 
 
@@ -34,29 +34,11 @@ def _moe(block: tuple[int, int], seed: int = 0):
     return x, w13, s13, w2, s2, *block, weights, ids
 
 
-def _set_table(monkeypatch, table: dict) -> None:  # a fresh function each time: kernel_config's memo keys on it
-    monkeypatch.setattr(tuning, "load_table", lambda package, target: table)
-
-
-class _Spy:
-    """Stands in for ``_grouped_kernel``: records each launch's grid and launch keys, then runs it."""
-
-    def __init__(self, kernel) -> None:
-        self.kernel, self.launches = kernel, []
-
-    def __getitem__(self, grid):
-        def launch(*args, **kwargs):
-            keys = ("BLOCK_M", "BLOCK_N", "GROUP_M", "num_warps", "num_stages")
-            self.launches.append({"grid": grid, **{k: kwargs[k] for k in keys}})
-            return self.kernel[grid](*args, **kwargs)
-        return launch
-
-
 def test_defaults_are_todays_tiles(monkeypatch):
     assert fp8_moe.grouped_config_key(257, 2048, 512, 9, 64 * 9) == "e257_h2048_i512_k9_r4"
     assert fp8_moe.grouped_config_key(257, 2048, 512, 9, 2048 * 9) == "e257_h2048_i512_k9_r128"
     assert fp8_moe.grouped_config_key(257, 2048, 512, 9, 16384 * 9) == "e257_h2048_i512_k9_r512"  # 574: the last
-    _set_table(monkeypatch, {})
+    grouped_sweeps.set_table(monkeypatch, {})
     cpu = torch.device("cpu")
     assert fp8_moe.grouped_config(6, H, I, 3, 60, cpu) == {
         "variant": "grouped", "BLOCK_M": 16, "BLOCK_N1": 32, "num_warps1": 4, "num_stages1": 1, "GROUP_M1": 0,
@@ -70,8 +52,8 @@ def test_defaults_are_todays_tiles(monkeypatch):
 
 def test_table_entry_reaches_the_launch(monkeypatch):
     entry = {"BLOCK_M": 32, "BLOCK_N1": 64, "num_warps1": 2, "GROUP_M1": 3, "BLOCK_N2": 16, "num_stages2": 2}
-    _set_table(monkeypatch, {"fp8_moe_grouped": {"_comment": "test", KEY: entry, "e6_h160_i96_k3_r8": {"BLOCK_M": 7}}})
-    spy = _Spy(fp8_moe._grouped_kernel)
+    grouped_sweeps.set_table(monkeypatch, {"fp8_moe_grouped": {"_comment": "test", KEY: entry, "e6_h160_i96_k3_r8": {"BLOCK_M": 7}}})
+    spy = grouped_sweeps.LaunchSpy(fp8_moe._grouped_kernel, SPY_KEYS)
     monkeypatch.setattr(fp8_moe, "_grouped_kernel", spy)
     args = _moe((16, 32), seed=1)
     out = fp8_moe.fp8_fused_moe(*args, "silu", grouped=True)
@@ -100,8 +82,8 @@ def test_variant_dequant_takes_the_unpacked_experts(monkeypatch):
     still forces the fp8 kernel); an unknown variant is named."""
     from armillary.kernels.triton import moe as bf16_moe
 
-    _set_table(monkeypatch, {"fp8_moe_grouped": {KEY: {"variant": "dequant"}, "e6_h160_i96_k3_r8": {"variant": "x"}}})
-    calls, spy = [], _Spy(fp8_moe._grouped_kernel)
+    grouped_sweeps.set_table(monkeypatch, {"fp8_moe_grouped": {KEY: {"variant": "dequant"}, "e6_h160_i96_k3_r8": {"variant": "x"}}})
+    calls, spy = [], grouped_sweeps.LaunchSpy(fp8_moe._grouped_kernel, SPY_KEYS)
     real = bf16_moe.fused_moe
     monkeypatch.setattr(bf16_moe, "fused_moe", lambda *a, **kw: calls.append(a[1].shape) or real(*a, **kw))
     monkeypatch.setattr(fp8_moe, "_grouped_kernel", spy)
