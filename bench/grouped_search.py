@@ -39,7 +39,8 @@ class Tiles:
         return tuple(cfg[f"{key}{gemm}"] for key in self.names)
 
     def config(self, block_m: int, up: tuple, down: tuple) -> dict:
-        return {"BLOCK_M": block_m, **self.keys(up, 1), **self.keys(down, 2)}
+        # the variant key too: a candidate equal to the defaults (which name it) must compare equal to them
+        return {"variant": "grouped", "BLOCK_M": block_m, **self.keys(up, 1), **self.keys(down, 2)}
 
     def text(self, cfg: dict) -> str:
         return f"BLOCK_M={cfg['BLOCK_M']} up {self.of(cfg, 1)} down {self.of(cfg, 2)}"

@@ -128,6 +128,8 @@ def test_smoke_sweep_checks_and_writes(smoke):
     for r in result["results"]:
         assert r["reference_err"] < 1e-5, r  # the defaults against armillary.kernels.fp4.fused_moe
         assert set(r["context"]) == {"dequant", "bf16"} and all(c["err"] < 1e-2 for c in r["context"].values())
+    for r in result["results"]:  # the defaults timed once, as the base row: never again as a candidate
+        assert r["rows"][0]["config"] == r["default"] and all(row["config"] != r["default"] for row in r["rows"][1:])
     rows = [row for r in result["results"] for row in r["rows"]]
     assert all(row["ok"] and row["err"] <= 1e-2 for row in rows), [row for row in rows if not row["ok"]]
     assert {row["config"]["BLOCK_M"] for row in rows} == {16, 32}
