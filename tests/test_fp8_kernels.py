@@ -93,6 +93,33 @@ def test_activation_quantization_is_the_references(m, k, group):
     assert torch.equal(s.t(), want_s)
 
 
+@pytest.mark.parametrize("activation,gated", [("relu2", False), ("relu2", True), ("silu", True),
+                                               ("gelu_pytorch_tanh", True)])  # fmt: skip
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_activation_fused_into_the_quantization(activation, gated, dtype):
+    """The fp8 MoE's between-GEMMs pass: act(gate) · up quantized in one launch, as act_and_mul then quantize_act
+    (relu² exact in fp32: bit-equal; the sigmoid forms within a few e4m3 steps); odd width, two groups and a part."""
+    from armillary.kernels.activation import act_and_mul, get_activation
+    from armillary.kernels.triton import moe_decode
+
+    code = {"relu2": moe_decode.ACT_RELU2, "silu": moe_decode.ACT_SILU, "gelu_pytorch_tanh": moe_decode.ACT_GELU_TANH}
+    g = torch.Generator().manual_seed(len(activation))
+    x = (torch.randn(7, 2 * 300 if gated else 300, generator=g) * 3).to(dtype)
+    q, s = fp8_gemm.quantize_act(x, 128, rows=9, activation=code[activation], gated=gated)
+    h = act_and_mul(x, activation) if gated else get_activation(activation)(x)  # [7, 300]
+    want_q, want_s = fp8_gemm.quantize_act(h.contiguous(), 128, rows=9)
+    got = q.float() * s.t().repeat_interleave(128, 1)[:, :300]
+    want = want_q.float() * want_s.t().repeat_interleave(128, 1)[:, :300]
+    assert q.shape == (9, 300) and s.shape == (3, 9) and not got[7:].any()  # padding rows quantize zeros
+    if dtype == torch.float32:  # relu² bit-equal; the sigmoid forms an ulp off in a scale at most
+        assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8)) and _ratio(got, want) < 1e-6
+        assert activation != "relu2" or torch.equal(s, want_s)
+    else:  # the interpreter's bf16 cast truncates where torch rounds: some values one e4m3 step apart
+        assert _ratio(got, want) < 4e-2
+    with pytest.raises(ValueError, match="gated input takes an activation"):
+        fp8_gemm.quantize_act(x, 128, gated=True)
+
+
 @pytest.mark.parametrize("lead,n,k,block", [((), 63, 160, (16, 32)), ((3,), 96, 60, (128, 128)),
                                             ((2,), 40, 48, (1, 1 << 30))])  # fmt: skip
 def test_dequantize_blocks_is_the_reference(lead, n, k, block):

@@ -182,3 +182,20 @@ def test_fused_moe_rejects_mismatched_weights():
         fused_moe(x, w13[:, :-1], w2, weights, ids)
     with pytest.raises(ValueError, match="activation"):
         fused_moe(x, w13, w2, weights, ids, "gelu")
+
+
+@pytest.mark.parametrize("weighted", [False, True])
+def test_sum_topk_weights_each_pair_row(weighted):
+    """The one-pass combine the quantized MoEs share: Σ_j (w_j ·) row_j in fp32 into out's dtype; N past a tile."""
+    from armillary.kernels.triton.moe import sum_topk
+
+    g = torch.Generator().manual_seed(3)
+    t, k, n = 5, 3, 1500
+    pairs = torch.randn(t * k, n, generator=g).to(torch.bfloat16).to(DEVICE)
+    weights = torch.rand(t, k, generator=g).to(DEVICE)
+    out = sum_topk(pairs, k, torch.empty(t, n, dtype=torch.float32, device=DEVICE), weights if weighted else None)
+    rows = pairs.view(t, k, n).float()
+    want = (rows * weights.unsqueeze(-1)).sum(1) if weighted else rows.sum(1)
+    assert torch.allclose(out, want, rtol=1e-6, atol=1e-6)
+    empty = torch.empty(0, n, dtype=torch.bfloat16, device=DEVICE)
+    assert sum_topk(pairs[:0], k, empty, weights[:0]) is empty

@@ -14,7 +14,7 @@ Experts as ``armillary.kernels.fp4.fused_moe`` takes them: w13 uint8 [E, 2I or I
 - grouped (prefill): rows sorted by expert into BLOCK_M blocks (``moe_align``), each weight tile
   unpacked to x's dtype times its group scales (``fp4_gemv.dequant_halves``: low / high halves
   against the rows' even / odd columns) for ``tl.dot``, loads pipelined; the weighted sum over
-  each token's k experts is one torch reduction. Rows per tile, each GEMM's weight tile (BLOCK_N x
+  each token's k experts is core's one-pass ``sum_topk``. Rows per tile, each GEMM's weight tile (BLOCK_N x
   BLOCK_K), warps and stages come from the "fp4_moe_grouped" tuning entry (keyed as fp8_moe's grouped
   entry: experts, hidden, intermediate, top-k and rows per expert; ``bench/fp4_moe_grouped_sweep.py``
   measures it).
@@ -337,5 +337,4 @@ def fp4_fused_moe(x: torch.Tensor, w13: torch.Tensor, s13: torch.Tensor, g13: to
     h = _grouped_gemm(x, w13, s13, g13, k, num_pairs, align, up)  # [P, 2I] in x's dtype, as the reference
     h = act_and_mul(h, activation) if gated else get_activation(activation)(h)  # [P, I]
     y = _grouped_gemm(h.contiguous(), w2, s2, g2, 1, num_pairs, align, down)  # [P, H]
-    out = (y.view(t, k, -1).float() * topk_weights.float().unsqueeze(-1)).sum(1)  # [T, H]
-    return out.to(x.dtype)
+    return bf16_moe.sum_topk(y, k, torch.empty_like(x), topk_weights)  # Σ_j w_j · y_j in fp32, one pass

@@ -36,16 +36,37 @@ _QUANT_ELEMS = 2048  # elements of x per quantization program
 
 
 @triton.jit
-def _quant_act_kernel(x_ptr, q_ptr, s_ptr, M, K, ROWS, stride_xm, stride_qm, GROUPS_PER_PROG: tl.constexpr,
-                      GROUP: tl.constexpr, FP8_LIMIT: tl.constexpr):
+def _exact_activation(x, ACTIVATION: tl.constexpr):
+    """moe_decode's activation codes (0 silu, 1 relu², 2 gelu-tanh) in fp32 with IEEE divisions, as torch
+    divides: this pass is checked free of approximate divisions."""
+    if ACTIVATION == 0:
+        return exact_div(x, 1.0 + tl.exp(-x))
+    elif ACTIVATION == 1:
+        r = tl.maximum(x, 0.0)
+        return r * r
+    else:  # gelu_tanh(x) = x · sigmoid(2·sqrt(2/pi)·(x + 0.044715·x³))
+        return exact_div(x, 1.0 + tl.exp(-1.5957691216057308 * (x + 0.044715 * x * x * x)))
+
+
+@triton.jit
+def _quant_act_kernel(x_ptr, q_ptr, s_ptr, M, K, ROWS, stride_xm, stride_qm, up_offset, GROUPS_PER_PROG: tl.constexpr,
+                      GROUP: tl.constexpr, FP8_LIMIT: tl.constexpr, APPLY_ACT: tl.constexpr, ACTIVATION: tl.constexpr,
+                      GATED: tl.constexpr):
     """Grid (ROWS, cdiv(K / GROUP, GROUPS_PER_PROG)): q [ROWS, K] e4m3, s [cdiv(K, GROUP), ROWS] fp32
-    (group-major); rows M..ROWS-1 (padding) quantize zeros."""
+    (group-major); rows M..ROWS-1 (padding) quantize zeros. APPLY_ACT: the values quantized are act(x[:, :K])
+    (times x[:, up_offset:][:, :K] when GATED), each product rounded to x's dtype as torch's act_and_mul does."""
     row = tl.program_id(0).to(tl.int64)
     g = tl.program_id(1) * GROUPS_PER_PROG + tl.arange(0, GROUPS_PER_PROG)
     cols = g[:, None] * GROUP + tl.arange(0, GROUP)[None, :]  # [GPP, GROUP]
     ok = cols < K
     real = (cols * 0 + row) < M  # [GPP, GROUP]: a padding row loads nothing
-    x = tl.load(x_ptr + row * stride_xm + cols, mask=ok & real, other=0.0).to(tl.float32)
+    x = tl.load(x_ptr + row * stride_xm + cols, mask=ok & real, other=0.0)
+    if APPLY_ACT:
+        x = _exact_activation(x.to(tl.float32), ACTIVATION).to(x_ptr.dtype.element_ty)
+        if GATED:
+            up = tl.load(x_ptr + row * stride_xm + up_offset + cols, mask=ok & real, other=0.0)
+            x = (x.to(tl.float32) * up.to(tl.float32)).to(x_ptr.dtype.element_ty)
+    x = x.to(tl.float32)
     amax = tl.max(tl.abs(x), axis=1)  # [GPP]
     scale = tl.maximum(exact_div(amax, tl.full(amax.shape, FP8_LIMIT, tl.float32)), 1e-12)
     q = to_e4m3(exact_div(x, tl.broadcast_to(scale[:, None], x.shape)))
@@ -147,10 +168,17 @@ def act_group(k: int, block_k: int) -> int:
     return g
 
 
-def quantize_act(x: torch.Tensor, group: int, rows: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_act(x: torch.Tensor, group: int, rows: int | None = None, activation: int | None = None,
+                 gated: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] -> (e4m3 [R, K], fp32 scales [cdiv(K, group), R]) with R = ``rows`` (>= M, default M;
-    rows past M are zeros with scale 1e-12): one launch, bit-equal to the reference on the first M rows."""
+    rows past M are zeros with scale 1e-12): one launch, bit-equal to the reference on the first M rows.
+    ``activation`` (a moe_decode ACT_* code): quantize act(x) instead, or with ``gated`` x [M, 2K] = [gate | up]
+    and act(gate) · up (act_and_mul in the same launch)."""
     m, k = x.shape
+    if gated:
+        if activation is None or k % 2:
+            raise ValueError(f"quantize_act: gated input takes an activation and an even width, not {activation}, {k}")
+        k //= 2
     r = m if rows is None else rows
     if r < m:
         raise ValueError(f"quantize_act: {r} output rows cannot hold {m}")
@@ -160,9 +188,10 @@ def quantize_act(x: torch.Tensor, group: int, rows: int | None = None) -> tuple[
     if r == 0:
         return q, s
     gpp = min(triton.next_power_of_2(groups), max(1, _QUANT_ELEMS // group))
-    _quant_act_kernel[(r, triton.cdiv(groups, gpp))](x, q, s, m, k, r, x.stride(0), q.stride(0),
+    _quant_act_kernel[(r, triton.cdiv(groups, gpp))](x, q, s, m, k, r, x.stride(0), q.stride(0), k,
                                                      GROUPS_PER_PROG=gpp, GROUP=group, FP8_LIMIT=FP8_MAX,
-                                                     num_warps=4)
+                                                     APPLY_ACT=activation is not None, ACTIVATION=activation or 0,
+                                                     GATED=gated, num_warps=4)
     return q, s
 
 

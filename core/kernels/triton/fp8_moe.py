@@ -14,8 +14,8 @@ Weights are float8_e4m3fn [E, N, K] with fp32 block scales [E, ceil(N / bn), cei
 - grouped (prefill): rows sorted by expert into BLOCK_M blocks (``moe_align``); each GEMM's input
   is quantized once per row and 128-column group (``fp8_gemm.quantize_act``, one launch), and the
   tiles multiply on the fp8 tensor cores with ``acc += dot · a_scale · w_scale`` per K step, loads
-  pipelined through shared memory; the weighted sum over each token's k experts is one torch
-  reduction. Rows per tile, each GEMM's tile width, warps, stages and GROUP_M swizzle come from the
+  pipelined through shared memory; the activation (and gate · up) runs inside the second GEMM's
+  quantization launch; the weighted sum over each token's k experts is core's one-pass ``sum_topk``. Rows per tile, each GEMM's tile width, warps, stages and GROUP_M swizzle come from the
   "fp8_moe_grouped" tuning entry (keyed by experts, hidden, intermediate, top-k and rows per expert;
   ``bench/fp8_moe_grouped_sweep.py`` measures it); BLOCK_K is the 128-column scale group.
 - dequant (prefill, where the bucket's entry says ``"variant": "dequant"``, which the sweep writes where
@@ -315,19 +315,18 @@ def _gemv_moe(x, w13, s13, w2, s2, block_n, block_k, topk_weights, topk_ids, act
     return out
 
 
-def _grouped_gemm(a: torch.Tensor, w: torch.Tensor, s: torch.Tensor, block_n: int, block_k: int, a_div: int,
-                  num_pairs: int, align, out_dtype: torch.dtype, tile: dict) -> torch.Tensor:
-    """Per-pair rows [pairs, N] of ``a[pair // a_div] @ (w[e] · s[e]).T`` with a quantized per 128-group first;
-    ``tile``: BLOCK_N, num_warps, num_stages, GROUP_M of this launch."""
+def _grouped_gemm(aq: torch.Tensor, a_s: torch.Tensor, w: torch.Tensor, s: torch.Tensor, block_n: int, block_k: int,
+                  a_div: int, num_pairs: int, align, out_dtype: torch.dtype, tile: dict) -> torch.Tensor:
+    """Per-pair rows [pairs, N] of ``a[pair // a_div] @ (w[e] · s[e]).T`` from a's e4m3 rows ``aq`` and their
+    group scales ``a_s`` (quantize_act's); ``tile``: BLOCK_N, num_warps, num_stages, GROUP_M of this launch."""
     _, n, k = w.shape
     group = act_group(k, block_k)
-    aq, a_s = quantize_act(a, group)  # one launch: e4m3 rows, scales [groups, rows]
-    out = torch.empty(num_pairs, n, dtype=out_dtype, device=a.device)
+    out = torch.empty(num_pairs, n, dtype=out_dtype, device=aq.device)
     bn, group_m = tile["BLOCK_N"], tile["GROUP_M"]
     blocks, n_tiles = align.block_expert.shape[0], triton.cdiv(n, bn)
     _grouped_kernel[(blocks * n_tiles,) if group_m > 0 else (blocks, n_tiles)](
         aq, a_s, w, s, out, align.sorted_pair_ids, align.block_expert, align.expert_offsets, align.expert_counts,
-        a.shape[0], n, k, aq.stride(0), w.stride(0), w.stride(1), s.stride(0), s.stride(1),
+        aq.shape[0], n, k, aq.stride(0), w.stride(0), w.stride(1), s.stride(0), s.stride(1),
         s.stride(2) if s.shape[2] > 1 else 0, out.stride(0), A_DIV=a_div, GROUP_N=block_n,
         GROUP_K=block_k if block_k < k else 1 << 30, ROWS_SHARE=block_n % bn == 0, EVEN_K=k % group == 0,
         BLOCK_M=align.block_m, BLOCK_N=bn, BLOCK_K=group, GROUP_M=group_m, num_warps=tile["num_warps"],
@@ -413,8 +412,12 @@ def fp8_fused_moe(x: torch.Tensor, w13: torch.Tensor, s13: torch.Tensor, w2: tor
     up, down = _grouped_tile(cfg, 1), _grouped_tile(cfg, 2)
     align = moe_align(topk_ids, w13.shape[0], cfg["BLOCK_M"])
     # per-pair rows in the model dtype, rounded where the reference's F.linear outputs are
-    h = _grouped_gemm(x, w13, s13, block_n, block_k, k, num_pairs, align, x.dtype, up)  # [P, 2I]
-    h = act_and_mul(h, activation) if gated else get_activation(activation)(h)  # [P, I]
-    y = _grouped_gemm(h.contiguous(), w2, s2, block_n, block_k, 1, num_pairs, align, x.dtype, down)  # [P, H]
-    out = (y.view(t, k, -1) * topk_weights.float().unsqueeze(-1)).sum(1)  # [T, H]
-    return out.to(x.dtype)
+    xq, xs = quantize_act(x, act_group(x.shape[1], block_k))  # one launch: e4m3 rows, scales [groups, T]
+    h = _grouped_gemm(xq, xs, w13, s13, block_n, block_k, k, num_pairs, align, x.dtype, up)  # [P, 2I]
+    if activation in _FUSED_ACTS:  # the activation (and gate · up) inside the quantization launch
+        hq, hs = quantize_act(h, act_group(inter, block_k), activation=_FUSED_ACTS[activation], gated=gated)
+    else:
+        hq, hs = quantize_act((act_and_mul(h, activation) if gated else get_activation(activation)(h)).contiguous(),
+                              act_group(inter, block_k))  # [P, I]
+    y = _grouped_gemm(hq, hs, w2, s2, block_n, block_k, 1, num_pairs, align, x.dtype, down)  # [P, H]
+    return bf16_moe.sum_topk(y, k, torch.empty_like(x), topk_weights)  # Σ_j w_j · y_j in fp32, one pass

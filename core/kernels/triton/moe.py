@@ -129,15 +129,33 @@ def _grouped_gemm_kernel(
 
 
 @triton.jit
-def _sum_topk_kernel(pairs_ptr, out_ptr, N, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr):
-    """out[t] = sum_j pairs[t * k + j] in float32. pairs: [T * k, N] -> out: [T, N]."""
+def _sum_topk_kernel(pairs_ptr, weights_ptr, out_ptr, N, TOP_K: tl.constexpr, WEIGHTED: tl.constexpr,
+                     BLOCK_N: tl.constexpr):
+    """out[t] = sum_j (weights[t, j] ·) pairs[t * k + j] in float32. pairs: [T * k, N], weights: [T, k] -> out: [T, N]."""
     token = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     ok = offs < N
     total = tl.zeros([BLOCK_N], dtype=tl.float32)
     for j in tl.static_range(TOP_K):
-        total += tl.load(pairs_ptr + (token * TOP_K + j) * N + offs, mask=ok, other=0.0).to(tl.float32)
+        row = tl.load(pairs_ptr + (token * TOP_K + j) * N + offs, mask=ok, other=0.0).to(tl.float32)
+        if WEIGHTED:
+            row = row * tl.load(weights_ptr + token * TOP_K + j).to(tl.float32)
+        total += row
     tl.store(out_ptr + token * N + offs, total.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+def sum_topk(pairs: torch.Tensor, top_k: int, out: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
+    """Each token's k pair rows summed in float32 into ``out`` (its dtype), each times its routing weight where
+    ``weights`` is given: one pass over the pairs, no fp32 copy of them. pairs: [T * k, N] contiguous,
+    weights: [T, k], out: [T, N] contiguous. Returns out."""
+    num_tokens, n = out.shape
+    if num_tokens == 0:
+        return out
+    block = min(1024, triton.next_power_of_2(n))
+    w = pairs if weights is None else weights.contiguous()  # unread when unweighted
+    _sum_topk_kernel[(num_tokens, triton.cdiv(n, block))](pairs, w, out, n, TOP_K=top_k, WEIGHTED=weights is not None,
+                                                          BLOCK_N=block)
+    return out
 
 
 GROUPED_BUCKETS = (8, 32, 128, 512)
@@ -282,6 +300,4 @@ def fused_moe(
         )  # fmt: skip
     else:
         raise ValueError(f"fused_moe: path {path!r} not in ('auto', 'gemv', 'decode', 'grouped')")
-    sum_block = min(1024, triton.next_power_of_2(hidden))
-    _sum_topk_kernel[(num_tokens, triton.cdiv(hidden, sum_block))](pairs_out, out, hidden, TOP_K=top_k, BLOCK_N=sum_block)
-    return out
+    return sum_topk(pairs_out, top_k, out)
