@@ -57,6 +57,8 @@ class EngineConfig:
     chat_template: str | None = None  # a .jinja file or inline template: replaces the checkpoint's template
     generation_config: str = "auto"  # auto: the checkpoint's generation_config.json; vllm: none; or a folder
     download_dir: str | None = None  # the Hugging Face cache folder to look in (default: HF_HUB_CACHE / HF_HOME)
+    tensor_parallel_size: int = 1  # ranks one model is split over (one process each; gloo on CPU, NCCL on GPUs)
+    distributed_timeout_s: float = 120.0  # a collective or a rank's reply waits this long before the engine fails
     plugin_args: dict = field(default_factory=dict)  # values of flags plugins added (armillary_add_cli_args)
 
     def validate(self) -> None:
@@ -64,7 +66,8 @@ class EngineConfig:
 
         Cheap (no torch, no files but the ones named), so a server checks its flags before loading.
         """
-        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "seed", "max_graph_batch"):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "seed", "max_graph_batch",
+                     "tensor_parallel_size"):
             value = getattr(self, name)
             if value is None and name == "max_num_batched_tokens":
                 continue  # chosen by device at start-up (resolve_token_budget)
@@ -76,6 +79,12 @@ class EngineConfig:
                 raise ValueError(f"{name} must be at least 1, not {value!r}")
         if self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, not {self.block_size}")
+        if not (isinstance(self.distributed_timeout_s, (int, float)) and self.distributed_timeout_s > 0):
+            raise ValueError(f"distributed_timeout_s must be a positive number of seconds, not {self.distributed_timeout_s!r}")
+        if self.tensor_parallel_size > 1 and self.speculative:
+            raise ValueError("speculative decoding with tensor_parallel_size > 1 is not built yet (issue 20)")
+        if self.tensor_parallel_size > 1 and self.kv_cache_dtype != "auto":
+            raise ValueError("an fp8 KV cache with tensor_parallel_size > 1 is not built yet (issue 20)")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], not {self.gpu_memory_utilization}")
         if not self.cpu_kv_cache_space_gb > 0:

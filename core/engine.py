@@ -23,6 +23,7 @@ from armillary.model_files import checkpoint_dtype
 from armillary.model_source import open_model_source
 from armillary.model_runner import LaunchedStep
 from armillary.outputs import RequestOutput
+from armillary.parallel import use_parallel
 from armillary.registry import PluginRegistry, default_registry
 from armillary.request_state import RequestState, SeqText
 from armillary.sampling_params import SamplingParams
@@ -73,12 +74,12 @@ class LLMEngine:
         self.thinking = ThinkingBudgets(self.registry, self.arch, self.tokenizer)
 
         quant = resolve_quant_config(self.hf_config, self.registry, config.quantization)
-        self.worker: Worker = ModelWorker(config, model_cls, self.hf_config, self.source, self.device, self.dtype,
-                                          self.max_model_len, quant=quant, structured=self.structured)
+        self.worker: Worker = self._make_worker(model_cls, quant)
         self.worker.load_model()
         log.info("weights loaded: %s (%s) on %s as %s", self.model_path, self.arch.name, self.device, self.dtype)
-        layout = fp8_kv_layout(model_cls.cache_layout(self.hf_config), config.kv_cache_dtype,
-                               config.kv_high_precision_layers)
+        with use_parallel(self.worker.parallel):  # each rank's caches hold its shard of the heads
+            layout = fp8_kv_layout(model_cls.cache_layout(self.hf_config), config.kv_cache_dtype,
+                                   config.kv_high_precision_layers)
         self.num_drafts = self._num_drafts(model_cls)
         self.snapshots_inside_chunks = bool(getattr(model_cls, "snapshots_inside_chunks", False))
         main_layers = len(layout)
@@ -109,7 +110,8 @@ class LLMEngine:
                                    snapshots_inside_chunks=self.snapshots_inside_chunks)
         self.requests: dict[str, RequestState] = {}
         # speculation reads each step's drafts on the host before planning the next one
-        self.async_scheduling = not self.num_drafts and (
+        # and with other ranks, which read each step's input tokens from the plan rank 0 sends them
+        self.async_scheduling = not self.num_drafts and config.tensor_parallel_size == 1 and (
             config.async_scheduling if config.async_scheduling is not None else self.device.type == "cuda")
         self.spec_stats = {"num_verify_steps": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0,
                            "num_emitted_tokens": 0}
@@ -123,6 +125,7 @@ class LLMEngine:
         is unusable after. Start-up's ``gc.freeze`` parked the engine's reference cycles: unfreeze first."""
         self._inflight = None
         self.requests.clear()
+        self.worker.close()
         del self.worker, self.cache, self.scheduler
         gc.unfreeze()
         gc.collect()
@@ -138,6 +141,18 @@ class LLMEngine:
         return self.worker.runner
 
     # ---- construction helpers
+
+    def _make_worker(self, model_cls, quant) -> Worker:
+        """One ``ModelWorker`` on this device, or with tensor parallelism rank 0's inside ``RankedWorkers``."""
+        args = (model_cls, self.hf_config, self.source, self.device, self.dtype, self.max_model_len)
+        if self.config.tensor_parallel_size == 1:
+            return ModelWorker(self.config, *args, quant=quant, structured=self.structured)
+        if not model_cls.supports_tensor_parallel:
+            raise ValueError(f"tensor_parallel_size {self.config.tensor_parallel_size}: the {self.arch.name} "
+                             f"model does not shard its layers yet (issue 20); run it with tensor_parallel_size 1")
+        from armillary.worker.ranks import RankedWorkers
+
+        return RankedWorkers(self.config, self.registry, *args, quant=quant, structured=self.structured)
 
     def _load_tokenizer(self):
         tokenizer = self.source.tokenizer()  # --tokenizer and --chat-template applied by the ConfiguredSource

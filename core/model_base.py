@@ -22,9 +22,14 @@ class CausalLM(nn.Module, ABC):
     (saves a sequence's state part-way through its chunk to a snapshot row). Prefix caching then
     checkpoints inside a prefill chunk; otherwise the scheduler ends the chunk at the checkpoint,
     which costs an extra step per prompt.
+
+    ``supports_tensor_parallel``: True when the model builds its shard inside ``use_parallel`` (its layers
+    split by ``get_parallel()``) and ``cache_layout``, called inside it too, gives this rank's cache shapes;
+    the engine refuses ``tensor_parallel_size`` > 1 for other models.
     """
 
     snapshots_inside_chunks: bool = False
+    supports_tensor_parallel: bool = False
 
     @classmethod
     @abstractmethod

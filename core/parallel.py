@@ -41,6 +41,11 @@ class ParallelContext:
         return self.tp_rank * n, n
 
 
+    def kv_heads(self, total: int) -> int:
+        """Key-value heads this rank holds of ``total``: an equal share, or one (replicated) when fewer than ranks."""
+        return max(1, total // self.tp_size)
+
+
 SINGLE = ParallelContext()
 _current: ParallelContext = SINGLE
 

@@ -349,6 +349,22 @@ class PluginRegistry:
                                      if getattr(r, "plugin", "") != name}
                 registry.current_plugin = ""
 
+    def recipe(self) -> list[tuple[str, str, str, str]]:
+        """(module import path, name, distribution, version) of every plugin but core's, in registration order:
+        what ``from_recipe`` needs to build the same registry in another process (a tensor-parallel rank)."""
+        return [(self.pm.get_plugin(name).__name__, name, info.distribution, info.version)
+                for name, info in self.infos.items() if name != "core"]
+
+    @classmethod
+    def from_recipe(cls, recipe: list[tuple[str, str, str, str]]) -> PluginRegistry:
+        """A registry holding core's defaults and the plugins ``recipe()`` listed, imported by module path."""
+        import importlib
+
+        reg = cls()
+        for module, name, distribution, version in recipe:
+            reg.register(importlib.import_module(module), name, distribution, version)
+        return reg
+
     @property
     def hook(self):
         return self.pm.hook

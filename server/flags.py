@@ -77,7 +77,6 @@ _ENGINE_GROUPS: tuple[tuple[str, tuple[tuple[str, type, str, tuple[str, ...]], .
 
 # flags of features not built yet: (dest, the value that means off, the feature and its issue)
 _UNBUILT = (
-    ("tensor_parallel_size", 1, "tensor parallelism across GPUs (issue 20, not built yet)"),
     ("expert_parallel_size", 1, "expert parallelism across GPUs (issue 20, not built yet)"),
 )
 
@@ -129,7 +128,8 @@ def add_serve_args(parser: argparse.ArgumentParser, registry: PluginRegistry | N
     _chat_flags(groups["chat, tools and reasoning"])
     par = parser.add_argument_group("parallelism")
     par.add_argument("--tensor-parallel-size", "--tp-size", "-tp", dest="tensor_parallel_size", type=_positive_int,
-                     default=1, help="GPUs one model is split over (only 1 today: issue 20)")
+                     default=1, help="ranks one model is split over, one process each (GPUs, or CPU processes over "
+                     "gloo); models whose plugin shards its layers (llama, qwen_gdn_moe today; issue 20)")
     par.add_argument("--expert-parallel-size", "--ep-size", dest="expert_parallel_size", type=_positive_int,
                      default=1, help="GPUs the experts are spread over (only 1 today: issue 20)")
     _plugin_flags(parser, registry)

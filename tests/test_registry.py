@@ -141,3 +141,18 @@ def test_every_registered_name_resolves():
     for registry in (reg.architectures, reg.parsers, reg.kernels, reg.formats):
         for spec in registry:
             assert spec.load() is not None, spec.name
+
+
+def test_recipe_rebuilds_the_same_plugins_in_another_registry():
+    """What a tensor-parallel rank's process imports: every hand-registered plugin by module path, core's defaults
+    implied; the rebuilt registry serves the same architectures."""
+    import armillary_llama.hooks as llama_hooks
+
+    reg = PluginRegistry()
+    reg.register(llama_hooks, "llama", distribution="armillary-llama")
+    recipe = reg.recipe()
+    assert [(module, name) for module, name, _, _ in recipe] == [("armillary_llama.hooks", "llama")]
+    again = PluginRegistry.from_recipe(recipe)
+    assert list(again.infos) == list(reg.infos) == ["core", "llama"]
+    assert sorted(a.name for a in again.architectures) == sorted(a.name for a in reg.architectures)
+    assert again.infos["llama"].version == reg.infos["llama"].version

@@ -252,7 +252,7 @@ class QKVParallelLinear(ColumnParallelLinear):
         self.head_size = head_size
         self.total_num_heads, self.total_num_kv_heads = num_heads, num_kv_heads
         self.num_heads = num_heads // tp
-        self.num_kv_heads = max(1, num_kv_heads // tp)
+        self.num_kv_heads = get_parallel().kv_heads(num_kv_heads)
         self.kv_replicas = max(1, tp // num_kv_heads)  # ranks holding each key-value head
         self.total_q_size = q_size if q_size is not None else num_heads * head_size
         self.total_kv_size = num_kv_heads * head_size

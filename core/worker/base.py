@@ -44,3 +44,7 @@ class Worker(ABC):
     @abstractmethod
     def launch(self, plan: StepPlan) -> LaunchedStep:
         """Enqueue one step; the result is read with ``LaunchedStep.wait()``."""
+
+    def close(self) -> None:
+        """Release what the worker holds besides its tensors (other ranks' processes, process groups); the engine
+        calls it once, at shutdown. A single-device worker holds nothing of the kind."""

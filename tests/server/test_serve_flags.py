@@ -77,7 +77,7 @@ def test_help_groups_the_flags():
     assert {"tensor_parallel_size", "expert_parallel_size"} <= groups["parallelism"]
 
 
-@pytest.mark.parametrize("flag", ["--tp-size", "--ep-size"])
+@pytest.mark.parametrize("flag", ["--ep-size"])
 def test_parallel_sizes_beyond_one_are_refused_naming_the_issue(flag):
     refuse_unbuilt(_parse("m", flag, "1"))
     with pytest.raises(StartupError, match="issue 20") as err:
@@ -85,11 +85,11 @@ def test_parallel_sizes_beyond_one_are_refused_naming_the_issue(flag):
     assert "parallelism" in str(err.value)
 
 
-def test_tp_size_2_fails_in_one_line_before_loading(tmp_path):
+def test_ep_size_2_fails_in_one_line_before_loading(tmp_path):
     result = subprocess.run([sys.executable, "-m", "armillary.cli", "serve", str(tmp_path / "nowhere"), "--port", "0",
-                             "--tp-size", "2"], capture_output=True, text=True, timeout=120)
+                             "--ep-size", "2"], capture_output=True, text=True, timeout=120)
     assert result.returncode == 1
-    assert "--tensor-parallel-size 2: tensor parallelism across GPUs (issue 20" in result.stderr
+    assert "--expert-parallel-size 2: expert parallelism across GPUs (issue 20" in result.stderr
     assert "Traceback" not in result.stderr and "loading" not in result.stderr
 
 

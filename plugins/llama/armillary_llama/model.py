@@ -20,6 +20,7 @@ from armillary.hf_config import HFConfig
 from armillary.kernels import ops
 from armillary.kernels.rotary import rotary_cos_sin
 from armillary.model_base import CausalLM
+from armillary.parallel import get_parallel
 from armillary.layers import CheckpointLoader, ReplicatedLinear, RMSNorm, VocabEmbedding
 from armillary_llama.config import LlamaArgs, config_warnings
 from armillary_llama.layers import LlamaDecoderLayer
@@ -43,6 +44,7 @@ class LlamaForCausalLM(CausalLM):
     """Built as ``cls(hf_config)`` under ``torch.device(device)`` and the model's default dtype."""
 
     hf_architecture = "LlamaForCausalLM"
+    supports_tensor_parallel = True  # heads, MLP rows / columns split by the shared layers; embedding replicated
 
     def __init__(self, hf_config: HFConfig) -> None:
         super().__init__()
@@ -58,8 +60,9 @@ class LlamaForCausalLM(CausalLM):
     @classmethod
     def cache_layout(cls, hf_config: HFConfig) -> list[LayerCacheSpec | None]:
         args = LlamaArgs.from_hf(hf_config)
-        return [FullAttention(args.num_kv_heads, args.head_dim) if window is None
-                else SlidingWindow(args.num_kv_heads, args.head_dim, window=window)
+        kv_heads = get_parallel().kv_heads(args.num_kv_heads)  # this rank's share (inside use_parallel)
+        return [FullAttention(kv_heads, args.head_dim) if window is None
+                else SlidingWindow(kv_heads, args.head_dim, window=window)
                 for window in args.sliding_windows]
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:

@@ -15,7 +15,8 @@ from torch.nn.utils import skip_init
 from armillary.errors import WeightLoadError
 from armillary.forward_batch import ForwardBatch, RecurrentState
 from armillary.kernels import ops
-from armillary.layers import GatedRMSNorm, MergedColumnParallelLinear, RowParallelLinear
+from armillary.layers import GatedRMSNorm, MergedColumnParallelLinear, RowParallelLinear, copy_checked
+from armillary.parallel import get_parallel
 from armillary_qwen_gdn_moe.config import QwenHybridConfig
 from armillary_qwen_gdn_moe.ops.gated_delta_rule import chunk_gated_delta_rule_ref, recurrent_gated_delta_rule_ref
 from armillary_qwen_gdn_moe.state_snapshots import conv_windows, split_chunks, two_pass
@@ -24,33 +25,67 @@ from armillary_qwen_gdn_moe.state_snapshots import conv_windows, split_chunks, t
 IN_PROJ_SHARDS = ("q", "k", "v", "z", "b", "a")  # the slots of ``in_proj``, in row order
 
 
+def local_heads(cfg: QwenHybridConfig) -> tuple[int, int]:
+    """(key heads, value heads) of the linear attention this tensor-parallel rank holds (all at size 1)."""
+    par = get_parallel()
+    return (par.shard(cfg.linear_num_key_heads, "linear-attention key heads")[1],
+            par.shard(cfg.linear_num_value_heads, "linear-attention value heads")[1])
+
+
 class GatedDeltaNet(nn.Module):
     """Parameters: ``in_proj`` rows [q | k | v | z | b | a] (a ``MergedColumnParallelLinear``, heads
     in order; ``checkpoint_pieces`` rearranges both checkpoint layouts into it), ``conv1d.weight``
-    [C, 1, K], ``A_log`` and ``dt_bias`` [HV] float32, ``norm.weight`` [V], ``out_proj``."""
+    [C, 1, K], ``A_log`` and ``dt_bias`` [HV] float32, ``norm.weight`` [V], ``out_proj``. Under tensor
+    parallelism every head count, C and the states are this rank's (its key heads and their value heads);
+    the conv and decay loaders keep the rank's channels of the checkpoint's whole tensors."""
 
     def __init__(self, cfg: QwenHybridConfig, prefix: str = "") -> None:
         super().__init__()
-        self.num_k_heads = cfg.linear_num_key_heads
-        self.num_v_heads = cfg.linear_num_value_heads
+        self.tp_rank = get_parallel().tp_rank
+        self.total_k_heads, self.total_v_heads = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+        self.num_k_heads, self.num_v_heads = local_heads(cfg)
         self.head_k_dim = cfg.linear_key_head_dim
         self.head_v_dim = cfg.linear_value_head_dim
         self.key_dim = self.num_k_heads * self.head_k_dim
         self.value_dim = self.num_v_heads * self.head_v_dim
-        self.conv_dim = cfg.conv_dim
+        self.conv_dim = 2 * self.key_dim + self.value_dim
         self.activation = cfg.hidden_act
-        self.in_proj_sizes = [self.key_dim, self.key_dim, self.value_dim, self.value_dim, self.num_v_heads,
-                              self.num_v_heads]  # rows of IN_PROJ_SHARDS
+        full_k, full_v = self.total_k_heads * self.head_k_dim, self.total_v_heads * self.head_v_dim
+        self.in_proj_sizes = [full_k, full_k, full_v, full_v, self.total_v_heads,
+                              self.total_v_heads]  # the checkpoint's rows of IN_PROJ_SHARDS
         self.in_proj = MergedColumnParallelLinear(cfg.hidden_size, self.in_proj_sizes, prefix=f"{prefix}.in_proj")
         self.conv1d = skip_init(
             nn.Conv1d, self.conv_dim, self.conv_dim, cfg.conv_kernel, groups=self.conv_dim, bias=False,
             device=torch.get_default_device(),
         )
+        self.conv1d.weight.weight_loader = self._load_conv
         # the decay parameters stay float32 whatever the model dtype
         self.A_log = nn.Parameter(torch.empty(self.num_v_heads, dtype=torch.float32), requires_grad=False)
         self.dt_bias = nn.Parameter(torch.empty(self.num_v_heads, dtype=torch.float32), requires_grad=False)
+        for param in (self.A_log, self.dt_bias):
+            param.weight_loader = self._load_heads
         self.norm = GatedRMSNorm(self.head_v_dim, cfg.rms_norm_eps)
-        self.out_proj = RowParallelLinear(self.value_dim, cfg.hidden_size, prefix=f"{prefix}.out_proj")
+        self.out_proj = RowParallelLinear(full_v, cfg.hidden_size, prefix=f"{prefix}.out_proj")
+
+    def _load_conv(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> tuple:
+        """The checkpoint's ``conv1d.weight`` [C_full, 1, K] -> this rank's q, k and v channels."""
+        if shard_id is not None:
+            raise WeightLoadError(f"conv1d.weight takes no shard (got {shard_id!r})")
+        full_k = self.total_k_heads * self.head_k_dim
+        r = self.tp_rank
+        if loaded.shape[0] != 2 * full_k + self.total_v_heads * self.head_v_dim:
+            raise WeightLoadError(f"conv1d.weight has {loaded.shape[0]} channels, expected "
+                                  f"{2 * full_k + self.total_v_heads * self.head_v_dim}")
+        mine = torch.cat([loaded[start + r * n: start + (r + 1) * n] for start, n in
+                          ((0, self.key_dim), (full_k, self.key_dim), (2 * full_k, self.value_dim))])
+        return copy_checked(param, (), mine, "conv1d.weight")
+
+    def _load_heads(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> tuple:
+        """A per-value-head checkpoint tensor ([HV_full]) -> this rank's value heads."""
+        if shard_id is not None:
+            raise WeightLoadError(f"a per-head decay parameter takes no shard (got {shard_id!r})")
+        n = self.num_v_heads
+        return copy_checked(param, (), loaded[self.tp_rank * n: (self.tp_rank + 1) * n], "A_log / dt_bias")
 
     def checkpoint_pieces(self, local_name: str, tensor: torch.Tensor) -> list | None:
         """Both checkpoint layouts of the input projection -> slots of ``in_proj`` (names relative to
@@ -63,7 +98,7 @@ class GatedDeltaNet(nn.Module):
             return None
         hidden = tensor.shape[-1]
         if part in ("qkvz", "ba"):
-            groups, ratio = self.num_k_heads, self.num_v_heads // self.num_k_heads
+            groups, ratio = self.total_k_heads, self.total_v_heads // self.total_k_heads
             if part == "qkvz":
                 sizes = [self.head_k_dim, self.head_k_dim, ratio * self.head_v_dim, ratio * self.head_v_dim]
             else:

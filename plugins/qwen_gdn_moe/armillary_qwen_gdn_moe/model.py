@@ -14,8 +14,10 @@ from armillary.forward_batch import ForwardBatch
 from armillary.hf_config import HFConfig
 from armillary.layers import LMHead
 from armillary.model_base import CausalLM
+from armillary.parallel import get_parallel
 from armillary_qwen_gdn_moe.config import LINEAR_ATTENTION, QwenHybridConfig
 from armillary_qwen_gdn_moe.decoder import HybridModel
+from armillary_qwen_gdn_moe.gated_deltanet import local_heads
 from armillary_qwen_gdn_moe.mtp import MultiTokenPredictor
 from armillary_qwen_gdn_moe.weights import load_qwen_weights
 
@@ -25,6 +27,7 @@ class QwenHybridForCausalLM(CausalLM):
     build contexts ``use_parallel`` / ``use_quant_config`` that the shared layers read."""
 
     snapshots_inside_chunks = True  # GatedDeltaNet saves prefix-cache checkpoints part-way through a chunk
+    supports_tensor_parallel = True  # GDN and attention heads, expert widths split; embedding, router replicated
 
     @classmethod
     @abstractmethod
@@ -45,14 +48,16 @@ class QwenHybridForCausalLM(CausalLM):
     @classmethod
     def cache_layout(cls, hf_config: HFConfig) -> list[LayerCacheSpec | None]:
         cfg = cls.parse(hf_config)
+        k_heads, v_heads = local_heads(cfg)  # this rank's share (inside use_parallel)
+        conv_dim = 2 * k_heads * cfg.linear_key_head_dim + v_heads * cfg.linear_value_head_dim
         gdn_state = Recurrent(
             shapes=(
-                (cfg.conv_dim, cfg.conv_kernel - 1),
-                (cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim),
+                (conv_dim, cfg.conv_kernel - 1),
+                (v_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim),
             ),
             dtypes=(None, torch.float32),
         )
-        attention = FullAttention(cfg.num_key_value_heads, cfg.head_dim)
+        attention = FullAttention(get_parallel().kv_heads(cfg.num_key_value_heads), cfg.head_dim)
         return [gdn_state if t == LINEAR_ATTENTION else attention for t in cfg.layer_types]
 
     @classmethod

@@ -1,0 +1,129 @@
+"""Tensor parallelism through the engine on the CPU (gloo, one process per rank): a tiny random Llama at TP = 2 gives
+the greedy tokens and logprobs of one process over 32 steps, with replicated key-value heads too and under forced
+preemption; each rank holds its shard; a rank killed mid-run ends the engine with an error naming it, within the
+timeout; a model that does not shard is refused naming the issue."""
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+import armillary_llama.hooks as llama_hooks
+from armillary import LLM, SamplingParams
+from armillary.registry import PluginRegistry
+from armillary.worker.ranks import RankFailed, portable_plan
+
+VOCAB = 160
+GREEDY = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True, logprobs=3)
+
+
+def _save_llama(directory, kv_heads: int) -> None:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(kv_heads)
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=kv_heads, max_position_embeddings=512,
+                         initializer_range=0.08)
+    LlamaForCausalLM(config).eval().save_pretrained(directory)
+
+
+@pytest.fixture(scope="module", params=[2, 1], ids=["kv2", "kv1-replicated"])
+def model_dir(request, tmp_path_factory):
+    directory = tmp_path_factory.mktemp(f"tp_llama_kv{request.param}")
+    _save_llama(directory, request.param)
+    return directory
+
+
+def make_llm(model_dir, tp: int, **kw) -> LLM:
+    registry = PluginRegistry()
+    registry.register(llama_hooks, "llama", distribution="armillary-llama")  # the ranks rebuild it from its recipe
+    args = dict(dtype="float32", device="cpu", max_model_len=256, block_size=8, max_num_seqs=8,
+                max_num_batched_tokens=64, cpu_kv_cache_space_gb=0.05, tensor_parallel_size=tp,
+                distributed_timeout_s=30)
+    return LLM(str(model_dir), registry=registry, **{**args, **kw})
+
+
+def prompts() -> list[dict]:
+    g = torch.Generator().manual_seed(7)
+    return [{"prompt_token_ids": torch.randint(0, VOCAB, (n,), generator=g).tolist()} for n in (5, 23, 9, 41)]
+
+
+def run(llm: LLM) -> tuple[list[list[int]], list[list[float]]]:
+    outs = llm.generate(prompts(), GREEDY)
+    llm.engine.cache.check_accounting(list(llm.engine.scheduler.running))
+    return [o.outputs[0].token_ids for o in outs], [[lp.logprob for lp in o.outputs[0].logprobs] for o in outs]
+
+
+@pytest.fixture(scope="module")
+def single(model_dir):
+    llm = make_llm(model_dir, 1)
+    yield run(llm)
+    llm.engine.shutdown()
+
+
+def test_two_ranks_give_one_process_greedy_tokens_and_logprobs(model_dir, single):
+    llm = make_llm(model_dir, 2)
+    try:
+        tokens, logprobs = run(llm)
+        attn = llm.engine.model.model.layers[0].self_attn
+        kv_total = 2 if "kv2" in str(model_dir) else 1
+        assert (attn.num_heads, attn.num_kv_heads) == (2, max(1, kv_total // 2))  # rank 0 holds its share
+        assert attn.qkv_proj.weight.shape[0] == (2 + 2 * attn.num_kv_heads) * 16
+        assert llm.engine.model.model.layers[0].mlp.down_proj.weight.shape == (64, 48)
+        assert llm.engine.worker.caches[0].k.shape[-2] == attn.num_kv_heads  # the cache holds rank 0's heads
+    finally:
+        llm.engine.shutdown()
+    assert tokens == single[0]
+    for got, want in zip(logprobs, single[1]):
+        assert torch.allclose(torch.tensor(got), torch.tensor(want), atol=1e-4)
+
+
+def test_two_ranks_under_forced_preemption_equal_one_process(model_dir, single):
+    llm = make_llm(model_dir, 2, num_kv_blocks=14)  # 4 sequences of up to 73 tokens cannot all hold their blocks
+    try:
+        tokens, _ = run(llm)
+        assert llm.engine.scheduler.num_preemptions > 0
+    finally:
+        llm.engine.shutdown()
+    assert tokens == single[0]
+
+
+def test_a_killed_rank_ends_the_engine_with_an_error_naming_it(tmp_path):
+    _save_llama(tmp_path, 2)
+    llm = make_llm(tmp_path, 2, distributed_timeout_s=20)
+    try:
+        proc = llm.engine.worker.procs[0]
+        proc.kill()
+        proc.join(timeout=10)
+        started = time.perf_counter()
+        with pytest.raises(RankFailed, match="rank 1 exited"):
+            llm.generate(prompts(), GREEDY)
+        assert time.perf_counter() - started < 20
+    finally:
+        llm.engine.shutdown()
+
+
+def test_a_model_that_does_not_shard_is_refused_naming_the_issue(tmp_path, monkeypatch):
+    from armillary_llama.model import LlamaForCausalLM
+
+    _save_llama(tmp_path, 2)
+    monkeypatch.setattr(LlamaForCausalLM, "supports_tensor_parallel", False)
+    with pytest.raises(ValueError, match=r"does not shard its layers yet \(issue 20\)"):
+        make_llm(tmp_path, 2)
+
+
+def test_the_plan_travels_without_host_only_fields():
+    from armillary.sequence import Sequence
+    from armillary.step_plan import ScheduledChunk, StepPlan
+
+    seq = Sequence("r", 0, [1, 2, 3], GREEDY, seed=3)
+    seq.thinking, seq.block_tables, seq.state_slot = object(), [[4, 5]], 2
+    plan = StepPlan([ScheduledChunk(seq, 0, 3, sample=True)], zero_slots=[2])
+    sent = portable_plan(plan)
+    copy = sent.chunks[0].seq
+    assert copy is not seq and copy.thinking is None and copy.generator is None and copy.logprobs == []
+    assert (copy.seq_id, copy.token_ids, copy.block_tables, copy.state_slot) == (seq.seq_id, [1, 2, 3], [[4, 5]], 2)
+    assert sent.zero_slots == [2] and seq.thinking is not None  # the driver's sequence is untouched
+    with pytest.raises(ValueError, match="still on the device"):
+        portable_plan(StepPlan(plan.chunks, input_tokens=torch.zeros(1, dtype=torch.long)))
