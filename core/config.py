@@ -58,6 +58,7 @@ class EngineConfig:
     generation_config: str = "auto"  # auto: the checkpoint's generation_config.json; vllm: none; or a folder
     download_dir: str | None = None  # the Hugging Face cache folder to look in (default: HF_HUB_CACHE / HF_HOME)
     tensor_parallel_size: int = 1  # ranks one model is split over (one process each; gloo on CPU, NCCL on GPUs)
+    expert_parallel_size: int = 1  # ranks the MoE experts are split over, whole: 1, the TP size, or with TP 1 any
     distributed_timeout_s: float = 120.0  # a collective or a rank's reply waits this long before the engine fails
     plugin_args: dict = field(default_factory=dict)  # values of flags plugins added (armillary_add_cli_args)
 
@@ -67,7 +68,7 @@ class EngineConfig:
         Cheap (no torch, no files but the ones named), so a server checks its flags before loading.
         """
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "seed", "max_graph_batch",
-                     "tensor_parallel_size"):
+                     "tensor_parallel_size", "expert_parallel_size"):
             value = getattr(self, name)
             if value is None and name == "max_num_batched_tokens":
                 continue  # chosen by device at start-up (resolve_token_budget)
@@ -81,10 +82,14 @@ class EngineConfig:
             raise ValueError(f"block_size must be a power of two, not {self.block_size}")
         if not (isinstance(self.distributed_timeout_s, (int, float)) and self.distributed_timeout_s > 0):
             raise ValueError(f"distributed_timeout_s must be a positive number of seconds, not {self.distributed_timeout_s!r}")
-        if self.tensor_parallel_size > 1 and self.speculative:
-            raise ValueError("speculative decoding with tensor_parallel_size > 1 is not built yet (issue 20)")
-        if self.tensor_parallel_size > 1 and self.kv_cache_dtype != "auto":
-            raise ValueError("an fp8 KV cache with tensor_parallel_size > 1 is not built yet (issue 20)")
+        tp, ep = self.tensor_parallel_size, self.expert_parallel_size
+        if ep > 1 and tp > 1 and ep != tp:
+            raise ValueError(f"expert_parallel_size {ep} must be 1, the tensor_parallel_size ({tp}: the experts split "
+                             f"over the same ranks), or run with tensor_parallel_size 1")
+        if self.world_size > 1 and self.speculative:
+            raise ValueError("speculative decoding over several ranks is not built yet (issue 20)")
+        if self.world_size > 1 and self.kv_cache_dtype != "auto":
+            raise ValueError("an fp8 KV cache over several ranks is not built yet (issue 20)")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], not {self.gpu_memory_utilization}")
         if not self.cpu_kv_cache_space_gb > 0:
@@ -129,6 +134,11 @@ class EngineConfig:
         if not isinstance(self.fp8_kv_calibration_tokens, int) or self.fp8_kv_calibration_tokens < 0:
             raise ValueError(f"fp8_kv_calibration_tokens must be a non-negative integer, not "
                              f"{self.fp8_kv_calibration_tokens!r}")
+
+    @property
+    def world_size(self) -> int:
+        """Processes one model runs over: tensor- and expert-parallel ranks are the same processes."""
+        return max(self.tensor_parallel_size, self.expert_parallel_size)
 
     def torch_device(self) -> torch.device:
         import torch

@@ -111,7 +111,7 @@ class LLMEngine:
         self.requests: dict[str, RequestState] = {}
         # speculation reads each step's drafts on the host before planning the next one
         # and with other ranks, which read each step's input tokens from the plan rank 0 sends them
-        self.async_scheduling = not self.num_drafts and config.tensor_parallel_size == 1 and (
+        self.async_scheduling = not self.num_drafts and config.world_size == 1 and (
             config.async_scheduling if config.async_scheduling is not None else self.device.type == "cuda")
         self.spec_stats = {"num_verify_steps": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0,
                            "num_emitted_tokens": 0}
@@ -143,13 +143,14 @@ class LLMEngine:
     # ---- construction helpers
 
     def _make_worker(self, model_cls, quant) -> Worker:
-        """One ``ModelWorker`` on this device, or with tensor parallelism rank 0's inside ``RankedWorkers``."""
+        """One ``ModelWorker`` on this device, or with several ranks rank 0's inside ``RankedWorkers``."""
         args = (model_cls, self.hf_config, self.source, self.device, self.dtype, self.max_model_len)
-        if self.config.tensor_parallel_size == 1:
+        if self.config.world_size == 1:
             return ModelWorker(self.config, *args, quant=quant, structured=self.structured)
         if not model_cls.supports_tensor_parallel:
-            raise ValueError(f"tensor_parallel_size {self.config.tensor_parallel_size}: the {self.arch.name} "
-                             f"model does not shard its layers yet (issue 20); run it with tensor_parallel_size 1")
+            raise ValueError(f"tensor_parallel_size {self.config.tensor_parallel_size}, expert_parallel_size "
+                             f"{self.config.expert_parallel_size}: the {self.arch.name} model does not shard its "
+                             f"layers yet (issue 20); run it on one rank")
         from armillary.worker.ranks import RankedWorkers
 
         return RankedWorkers(self.config, self.registry, *args, quant=quant, structured=self.structured)

@@ -76,9 +76,7 @@ _ENGINE_GROUPS: tuple[tuple[str, tuple[tuple[str, type, str, tuple[str, ...]], .
 )
 
 # flags of features not built yet: (dest, the value that means off, the feature and its issue)
-_UNBUILT = (
-    ("expert_parallel_size", 1, "expert parallelism across GPUs (issue 20, not built yet)"),
-)
+_UNBUILT: tuple[tuple[str, object, str], ...] = ()
 
 
 def _json_object(text: str) -> dict:
@@ -131,7 +129,11 @@ def add_serve_args(parser: argparse.ArgumentParser, registry: PluginRegistry | N
                      default=1, help="ranks one model is split over, one process each (GPUs, or CPU processes over "
                      "gloo); models whose plugin shards its layers (llama, qwen_gdn_moe today; issue 20)")
     par.add_argument("--expert-parallel-size", "--ep-size", dest="expert_parallel_size", type=_positive_int,
-                     default=1, help="GPUs the experts are spread over (only 1 today: issue 20)")
+                     default=1, help="ranks the MoE experts are split over, whole: the tensor-parallel size (the same "
+                     "ranks), or any with --tp-size 1")
+    par.add_argument("--distributed-timeout-s", dest="distributed_timeout_s", type=float, default=None,
+                     help="with several ranks: how long a collective or a rank's reply may take before the server "
+                          "stops with an error naming the rank (default 120)")
     _plugin_flags(parser, registry)
 
 

@@ -33,8 +33,9 @@ class FusedMoE(nn.Module):
     Parameters (unquantized; a ``FusedMoEMethod`` may add ``gate_up_proj_<attr>`` /
     ``down_proj_<attr>`` tensors):
     ``gate_up_proj`` [E_local, 2I, H] rows [gate | up] (``gated=False``: [E_local, I, H], up only),
-    ``down_proj`` [E_local, H, I]; I = intermediate_size / tp_size, E_local = the experts this
-    rank holds (``local_experts``, global ids; all of them at ep_size 1).
+    ``down_proj`` [E_local, H, I]; I = intermediate_size / tp_size (whole at ep_size > 1: expert
+    parallelism splits experts, not their width, so ``tp_size`` is then 1 here), E_local = the experts
+    this rank holds (``local_experts``, global ids; all of them at ep_size 1).
 
     ``weight_loader(param, loaded, shard_id=None, expert_id=None)``:
 
@@ -61,7 +62,9 @@ class FusedMoE(nn.Module):
                  quant_config: QuantConfig | None = None, prefix: str = "") -> None:
         super().__init__()
         par = get_parallel()
-        self.tp_rank, self.tp_size, self.ep_rank, self.ep_size = par.tp_rank, par.tp_size, par.ep_rank, par.ep_size
+        self.ep_rank, self.ep_size = par.ep_rank, par.ep_size
+        # expert parallelism splits whole experts over the ranks, never their width as well
+        self.tp_rank, self.tp_size = (0, 1) if self.ep_size > 1 else (par.tp_rank, par.tp_size)
         if num_experts % self.ep_size:
             raise ValueError(f"{num_experts} experts do not split over expert-parallel size {self.ep_size}")
         self.num_experts, self.num_shared, self.top_k = num_experts, num_shared, top_k
@@ -77,7 +80,8 @@ class FusedMoE(nn.Module):
         expert_map[torch.tensor(self.local_experts, dtype=torch.long)] = torch.arange(len(self.local_experts),
                                                                                       dtype=torch.int32)
         self.register_buffer("expert_map", expert_map, persistent=False)  # global id -> local id, -1 elsewhere
-        self.intermediate_size_per_partition = par.shard(intermediate_size, f"intermediate size of {prefix}")[1]
+        self.intermediate_size_per_partition = intermediate_size if self.tp_size == 1 else \
+            par.shard(intermediate_size, f"intermediate size of {prefix}")[1]
         self.quant_method = (quant_config or get_quant_config()).moe_method(self, prefix)
         self.quant_method.create_weights(self, len(self.local_experts), hidden_size,
                                          self.intermediate_size_per_partition, torch.get_default_dtype())

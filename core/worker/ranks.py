@@ -1,8 +1,9 @@
-"""Tensor parallelism over processes on one host: rank 0's worker in the engine's process, ranks 1.. spawned, every
-step's plan broadcast from rank 0.
+"""Tensor and expert parallelism over processes on one host: rank 0's worker in the engine's process, ranks 1..
+spawned, every step's plan broadcast from rank 0.
 
-``RankedWorkers`` is the ``Worker`` the engine drives when ``tensor_parallel_size`` > 1. Rank r builds the model
-inside ``use_parallel`` with tp_rank r (the shared layers keep their shard; each rank loads only its slices) on
+``RankedWorkers`` is the ``Worker`` the engine drives when ``world_size`` (the larger of the tensor- and the
+expert-parallel size: both groups are all the processes) is above 1. Rank r builds the model inside
+``use_parallel`` with tp_rank / ep_rank r (the shared layers keep their shard; each rank loads only its slices) on
 ``cuda:r`` (NCCL for the model's collectives) or the CPU (gloo). The ranks follow rank 0 through one gloo control
 group: each ``Worker`` call is broadcast as (command, payload) and every rank runs it; the cache budget is the
 smallest any rank measured, the memory plan is rank 0's. A step's plan travels with host-only fields stripped
@@ -43,12 +44,13 @@ _HOST_ONLY = ("thinking", "generator", "logprobs")  # Sequence fields only the d
 
 
 class RankFailed(RuntimeError):
-    """A tensor-parallel rank exited, raised, or did not answer within ``distributed_timeout_s``."""
+    """A rank exited, raised, or did not answer within ``distributed_timeout_s``."""
 
 
-def tp_context(rank: int, world: int) -> ParallelContext:
-    """Rank ``rank`` of one tensor-parallel group spanning all ``world`` processes."""
-    return ParallelContext(rank=rank, world_size=world, tp_rank=rank, tp_size=world)
+def rank_context(rank: int, tp: int, ep: int) -> ParallelContext:
+    """Rank ``rank`` of max(tp, ep) processes: the TP group and the EP group (where > 1) are all of them."""
+    return ParallelContext(rank=rank, world_size=max(tp, ep), tp_rank=rank if tp > 1 else 0, tp_size=tp,
+                           ep_rank=rank if ep > 1 else 0, ep_size=ep)
 
 
 def rank_device(device: torch.device, rank: int) -> torch.device:
@@ -66,7 +68,8 @@ def init_groups(rank: int, world: int, init_method: str, device: torch.device, t
         torch.cuda.set_device(device)
         os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink multicast stays off
     dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world, timeout=timeout)
-    collectives.set_group("tp", None)  # one TP group spans every process: the world group
+    for kind in collectives.KINDS:  # one TP group and one EP group span every process: the world group
+        collectives.set_group(kind, None)
     return dist.new_group(backend="gloo", timeout=timeout) if backend != "gloo" else dist.group.WORLD
 
 
@@ -88,7 +91,7 @@ class RankedWorkers(Worker):
 
     def __init__(self, config, registry, model_cls: type[CausalLM], hf_config, source, device: torch.device,
                  dtype: torch.dtype, max_model_len: int, quant=None, structured=None) -> None:
-        self.world = config.tensor_parallel_size
+        self.world = config.world_size
         self.timeout_s = config.distributed_timeout_s
         self._dir = tempfile.mkdtemp(prefix="armillary-tp-")
         init = "file://" + os.path.join(self._dir, "rendezvous")
@@ -106,9 +109,11 @@ class RankedWorkers(Worker):
             self.close()
             raise self._failure(exc) from exc
         self.local = ModelWorker(config, model_cls, hf_config, source, device, dtype, max_model_len,
-                                 parallel=tp_context(0, self.world), quant=quant, structured=structured)
+                                 parallel=rank_context(0, config.tensor_parallel_size, config.expert_parallel_size),
+                                 quant=quant, structured=structured)
         self.parallel = self.local.parallel
-        log.info("tensor parallelism: %d ranks (%s)", self.world, dist.get_backend())
+        log.info("%d ranks (tensor-parallel %d, expert-parallel %d, %s)", self.world, config.tensor_parallel_size,
+                 config.expert_parallel_size, dist.get_backend())
 
     # rank 0's model and step machinery, which the engine reads
     @property
@@ -195,7 +200,7 @@ class RankedWorkers(Worker):
         what = "; ".join(f"rank {r} exited with code {code}" for r, code in dead) or \
             f"a collective failed or waited past {self.timeout_s:g} s ({type(exc).__name__}: {exc})"
         tail = "".join(f"\nrank {r}: {text.strip().splitlines()[-1]}" for r, text in sorted(self.reported.items()))
-        return RankFailed(f"tensor parallelism stopped: {what}{tail}")
+        return RankFailed(f"the model's ranks stopped: {what}{tail}")
 
 
 def _rank_main(rank: int, world: int, init: str, config, recipe, max_model_len: int, errors) -> None:
@@ -222,7 +227,8 @@ def _rank_main(rank: int, world: int, init: str, config, recipe, max_model_len: 
         control = init_groups(rank, world, init, device, config.distributed_timeout_s)
         worker = ModelWorker(config, arch.load(), hf_config, source, device,
                              config.torch_dtype(checkpoint_dtype(hf_config)), max_model_len,
-                             parallel=tp_context(rank, world), quant=quant)
+                             parallel=rank_context(rank, config.tensor_parallel_size, config.expert_parallel_size),
+                             quant=quant)
         _follow(worker, control, world)
     except BaseException:
         errors.put((rank, traceback.format_exc()))

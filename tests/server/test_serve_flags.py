@@ -17,7 +17,6 @@ from armillary.server.flags import (
     add_serve_args,
     check_thinking_budget,
     engine_config,
-    refuse_unbuilt,
     template_defaults,
 )
 from armillary.server.parsing import ParserSetup
@@ -77,19 +76,17 @@ def test_help_groups_the_flags():
     assert {"tensor_parallel_size", "expert_parallel_size"} <= groups["parallelism"]
 
 
-@pytest.mark.parametrize("flag", ["--ep-size"])
-def test_parallel_sizes_beyond_one_are_refused_naming_the_issue(flag):
-    refuse_unbuilt(_parse("m", flag, "1"))
-    with pytest.raises(StartupError, match="issue 20") as err:
-        refuse_unbuilt(_parse("m", flag, "2"))
-    assert "parallelism" in str(err.value)
+def test_parallel_sizes_reach_the_engine_config():
+    config = engine_config(_parse("m", "--tp-size", "2", "--ep-size", "2"), "m")
+    assert (config.tensor_parallel_size, config.expert_parallel_size, config.world_size) == (2, 2, 2)
+    assert engine_config(_parse("m", "--ep-size", "4"), "m").world_size == 4
 
 
-def test_ep_size_2_fails_in_one_line_before_loading(tmp_path):
+def test_mismatched_parallel_sizes_fail_in_one_line_before_loading(tmp_path):
     result = subprocess.run([sys.executable, "-m", "armillary.cli", "serve", str(tmp_path / "nowhere"), "--port", "0",
-                             "--ep-size", "2"], capture_output=True, text=True, timeout=120)
+                             "--tp-size", "2", "--ep-size", "3"], capture_output=True, text=True, timeout=120)
     assert result.returncode == 1
-    assert "--expert-parallel-size 2: expert parallelism across GPUs (issue 20" in result.stderr
+    assert "--expert-parallel-size 3 must be 1, the --tensor-parallel-size (2" in result.stderr
     assert "Traceback" not in result.stderr and "loading" not in result.stderr
 
 

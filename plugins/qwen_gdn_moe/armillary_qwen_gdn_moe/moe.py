@@ -11,6 +11,7 @@ from armillary.errors import WeightLoadError
 from armillary.kernels import ops
 from armillary.layers import FusedMoE, GatedMLP, ReplicatedLinear, copy_checked
 from armillary.layers.collectives import all_reduce
+from armillary.parallel import get_parallel
 from armillary_qwen_gdn_moe.config import QwenHybridConfig
 
 ROUTER_ROW_MULTIPLE = 64  # cuBLAS runs a 16K x 2048 x 257 router GEMM at ~57 TFLOP/s, a padded 320-wide one fast
@@ -63,6 +64,7 @@ class SparseMoeBlock(nn.Module):
         self.top_k = cfg.num_experts_per_tok
         self.renormalize = cfg.norm_topk_prob
         self.num_experts = cfg.num_experts
+        self.tp_size = get_parallel().tp_size  # the shared expert's split (the experts' may differ: EP)
         self.shared_fused = cfg.shared_expert_intermediate_size == cfg.moe_intermediate_size
         self.gate = Router(cfg.hidden_size, cfg.num_experts, self.shared_fused)
         self.experts = FusedMoE(cfg.num_experts, self.top_k, cfg.hidden_size, cfg.moe_intermediate_size,
@@ -95,6 +97,9 @@ class SparseMoeBlock(nn.Module):
             topk_weights, topk_ids = ops.softmax_topk_with_shared(logits, self.top_k, self.renormalize)
             return self.experts(x, topk_weights, topk_ids)
         topk_weights, topk_ids = ops.softmax_topk(logits, self.top_k, self.renormalize)
-        routed = all_reduce(self.experts(x, topk_weights, topk_ids), self.experts.ep_size, "ep")
-        shared = F.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
-        return all_reduce(routed + shared, self.experts.tp_size, "tp")
+        routed = self.experts(x, topk_weights, topk_ids)  # partial: this rank's width slice or experts
+        shared = F.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)  # partial over the TP ranks
+        if self.experts.ep_size > 1 and self.tp_size > 1:  # both split over the same ranks: one sum
+            return all_reduce(routed + shared, self.tp_size, "tp")
+        routed = all_reduce(routed, self.experts.ep_size, "ep")
+        return all_reduce(routed + shared, self.tp_size, "tp")
