@@ -1,6 +1,6 @@
 """Tensor parallelism through the engine on the CPU (gloo, one process per rank): a tiny random Llama at TP = 2 gives
-the greedy tokens and logprobs of one process over 32 steps, with replicated key-value heads too and under forced
-preemption; each rank holds its shard; a rank killed mid-run ends the engine with an error naming it, within the
+the greedy tokens and logprobs of one process over 32 steps, with replicated key-value heads and a tied head over an
+odd vocabulary (split by rows) too, and under forced preemption; each rank holds its shard; a rank killed mid-run ends the engine with an error naming it, within the
 timeout; a model that does not shard is refused naming the issue."""
 from __future__ import annotations
 
@@ -18,20 +18,21 @@ VOCAB = 160
 GREEDY = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True, logprobs=3)
 
 
-def _save_llama(directory, kv_heads: int) -> None:
+def _save_llama(directory, kv_heads: int, tied: bool = False, vocab: int = VOCAB) -> None:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(kv_heads)
-    config = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+    config = LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=kv_heads, max_position_embeddings=512,
-                         initializer_range=0.08)
+                         initializer_range=0.08, tie_word_embeddings=tied)
     LlamaForCausalLM(config).eval().save_pretrained(directory)
 
 
-@pytest.fixture(scope="module", params=[2, 1], ids=["kv2", "kv1-replicated"])
+# (kv heads, tied head, vocabulary): an even split; one replicated kv head with a tied head over an odd vocabulary
+@pytest.fixture(scope="module", params=[(2, False, VOCAB), (1, True, VOCAB + 1)], ids=["kv2", "kv1-tied-odd-vocab"])
 def model_dir(request, tmp_path_factory):
-    directory = tmp_path_factory.mktemp(f"tp_llama_kv{request.param}")
-    _save_llama(directory, request.param)
+    directory = tmp_path_factory.mktemp(f"tp_llama_kv{request.param[0]}")
+    _save_llama(directory, *request.param)
     return directory
 
 
@@ -72,6 +73,8 @@ def test_two_ranks_give_one_process_greedy_tokens_and_logprobs(model_dir, single
         assert attn.qkv_proj.weight.shape[0] == (2 + 2 * attn.num_kv_heads) * 16
         assert llm.engine.model.model.layers[0].mlp.down_proj.weight.shape == (64, 48)
         assert llm.engine.worker.caches[0].k.shape[-2] == attn.num_kv_heads  # the cache holds rank 0's heads
+        vocab = llm.engine.model.args.vocab_size
+        assert llm.engine.model.model.embed_tokens.weight.shape[0] == -(-vocab // 2)  # half the vocabulary rows
     finally:
         llm.engine.shutdown()
     assert tokens == single[0]

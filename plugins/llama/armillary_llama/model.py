@@ -22,6 +22,7 @@ from armillary.kernels.rotary import rotary_cos_sin
 from armillary.model_base import CausalLM
 from armillary.parallel import get_parallel
 from armillary.layers import CheckpointLoader, ReplicatedLinear, RMSNorm, VocabEmbedding
+from armillary.layers.collectives import all_gather
 from armillary_llama.config import LlamaArgs, config_warnings
 from armillary_llama.layers import LlamaDecoderLayer
 from armillary_llama.rope import llama_inv_freq
@@ -44,7 +45,7 @@ class LlamaForCausalLM(CausalLM):
     """Built as ``cls(hf_config)`` under ``torch.device(device)`` and the model's default dtype."""
 
     hf_architecture = "LlamaForCausalLM"
-    supports_tensor_parallel = True  # heads, MLP rows / columns split by the shared layers; embedding replicated
+    supports_tensor_parallel = True  # heads, MLP rows / columns, the embedding's vocabulary rows split
 
     def __init__(self, hf_config: HFConfig) -> None:
         super().__init__()
@@ -74,8 +75,10 @@ class LlamaForCausalLM(CausalLM):
         return self.model.norm.add(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        if self.lm_head is None:  # tied: the embedding matrix is the head
-            return ops.linear(hidden, self.model.embed_tokens.weight).float()
+        if self.lm_head is None:  # tied: the embedding matrix (this rank's vocabulary rows) is the head
+            embed = self.model.embed_tokens
+            logits = ops.linear(hidden, embed.weight).float()
+            return logits if embed.tp_size == 1 else all_gather(logits, embed.tp_size)[:, : embed.vocab_size]
         return self.lm_head(hidden).float()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:

@@ -13,8 +13,9 @@ from armillary.testing import LogitsRecorder, greedy_params
 from plugins.qwen_gdn_moe.tests.harness import qwen_registry
 from plugins.qwen_gdn_moe.tests.hf_models import CASES_BY_NAME, make_reference
 
-# the cases whose head counts and widths split in two: separate and fused shared experts, a dense MLP
-TP_CASES = ("next_full_last", "moe35_cg", "moe35_causal", "dense35_causal")
+# the cases whose head counts and widths split in two: separate and fused shared experts, dense MLPs, a tied head
+# with one (replicated) key-value head
+TP_CASES = ("next_full_last", "moe35_cg", "moe35_causal", "dense35_causal", "dense35_cg_tied")
 # (case, tp, ep): every case at TP 2; the MoE cases at EP 2 and at TP 2 with EP 2 as well
 RUNS = [(name, tp, ep) for name in TP_CASES for tp, ep in ((2, 1), (1, 2), (2, 2))
         if ep == 1 or CASES_BY_NAME[name].is_moe]
@@ -48,6 +49,7 @@ def test_two_ranks_match_transformers(references, name, tp, ep):
             assert len(routed) == cfg["num_experts"] // ep
             assert experts.intermediate_size_per_partition == cfg["moe_intermediate_size"] // (tp if ep == 1 else 1)
         assert gdn.conv1d.weight.shape[0] == gdn.conv_dim and gdn.A_log.shape == (gdn.num_v_heads,)
+        assert model.model.embed_tokens.weight.shape[0] == -(-model.config.vocab_size // tp)  # vocabulary rows
         states = next(c for c in llm.engine.worker.caches if hasattr(c, "tensors")).tensors
         assert states[0].shape[1] == gdn.conv_dim and states[1].shape[1] == gdn.num_v_heads  # rank 0's share
         batch = llm.generate([{"prompt_token_ids": p} for p in reference.prompts], greedy_params(32))
