@@ -106,8 +106,9 @@ class RankedWorkers(Worker):
         try:
             self.control = init_groups(0, self.world, init, device, self.timeout_s)
         except Exception as exc:
-            self.close()
-            raise self._failure(exc) from exc
+            failure = self._failure(exc)
+            self.close(graceful=False)
+            raise failure from exc
         self.local = ModelWorker(config, model_cls, hf_config, source, device, dtype, max_model_len,
                                  parallel=rank_context(0, config.tensor_parallel_size, config.expert_parallel_size),
                                  quant=quant, structured=structured)
@@ -152,15 +153,16 @@ class RankedWorkers(Worker):
         self._send(LAUNCH, portable_plan(plan))
         return self._run(lambda: self.local.launch(plan))
 
-    def close(self) -> None:
-        """Stop the other ranks (a stop command, then terminate what is still running) and leave the groups."""
-        if any(p.is_alive() for p in self.procs) and dist.is_initialized():
+    def close(self, graceful: bool = True) -> None:
+        """Stop the other ranks (a stop command unless not ``graceful``, then terminate what still runs) and
+        leave the groups."""
+        if graceful and any(p.is_alive() for p in self.procs) and dist.is_initialized():
             try:
                 self._send(STOP)
             except RankFailed:
                 pass
         for proc in self.procs:
-            proc.join(timeout=10)
+            proc.join(timeout=10 if graceful else 0)
             if proc.is_alive():
                 proc.terminate()
                 proc.join(timeout=5)
@@ -172,17 +174,24 @@ class RankedWorkers(Worker):
     # ---- failures
 
     def _send(self, command: str, payload=None) -> None:
-        self._check_ranks()
+        self._run(self._check_ranks)
         self._run(lambda: dist.broadcast_object_list([(command, payload)], src=0, group=self.control))
 
     def _run(self, fn):
-        """``fn()``; a collective's failure (a rank gone, a timeout) becomes ``RankFailed`` naming the rank."""
+        """``fn()``; a collective's failure (a rank gone, a timeout) becomes ``RankFailed`` naming the rank.
+        Any failure stops the other ranks and leaves the groups: the process can build another engine."""
         try:
             return fn()
         except RankFailed:
+            self.close(graceful=False)
             raise
         except RuntimeError as exc:  # gloo / NCCL report a lost peer or a timeout as RuntimeError
-            raise self._failure(exc) from exc
+            failure = self._failure(exc)
+            self.close(graceful=False)
+            raise failure from exc
+        except BaseException:
+            self.close(graceful=False)
+            raise
 
     def _check_ranks(self) -> None:
         dead = [(rank, p.exitcode) for rank, p in enumerate(self.procs, 1) if not p.is_alive()]

@@ -21,8 +21,10 @@ from armillary.hf_config import HFConfig
 from armillary.kernels import ops
 from armillary.kernels.rotary import rotary_cos_sin
 from armillary.layers import CheckpointLoader, ReplicatedLinear, RMSNorm, VocabEmbedding
+from armillary.layers.collectives import all_gather
 from armillary.layers.quantization.unquantized import UnquantizedLinearMethod
 from armillary.model_base import CausalLM
+from armillary.parallel import get_parallel
 from armillary_gemma.config import FULL, SLIDING, GemmaArgs, embed_scale
 from armillary_gemma.decoder import Gemma3DecoderLayer, Gemma4DecoderLayer
 from armillary_gemma.ops import gemv
@@ -51,6 +53,7 @@ class _GemmaForCausalLM(CausalLM):
     """Built as ``cls(hf_config)`` under ``torch.device(device)`` and the model's default dtype."""
 
     version = 0
+    supports_tensor_parallel = True  # heads, MLP / expert widths (or whole experts), vocabulary rows split
 
     def __init__(self, hf_config: HFConfig) -> None:
         super().__init__()
@@ -83,9 +86,9 @@ class _GemmaForCausalLM(CausalLM):
             if la.kv_source != i:
                 layout.append(None)  # KV-shared: reads layer la.kv_source's cache
             elif la.window is None:
-                layout.append(FullAttention(la.num_kv_heads, la.head_dim))
+                layout.append(FullAttention(get_parallel().kv_heads(la.num_kv_heads), la.head_dim))
             else:
-                layout.append(SlidingWindow(la.num_kv_heads, la.head_dim, window=la.window))
+                layout.append(SlidingWindow(get_parallel().kv_heads(la.num_kv_heads), la.head_dim, window=la.window))
         return layout
 
     @staticmethod
@@ -101,11 +104,16 @@ class _GemmaForCausalLM(CausalLM):
         return {SLIDING: (cos[:, :s], sin[:, :s]), FULL: (cos[:, s:], sin[:, s:])}
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        embed = self.model.embed_tokens
+        weight = embed.weight if self.lm_head is None else self.lm_head.weight
         cap = self.args.final_softcap
         if cap and self.head_fusable and gemv.serves("softcap", hidden, weight):
-            return gemv.gemma_gemv("softcap", hidden, weight, cap)  # [N, V] float32: the cap in the GEMV
-        return softcap_logits(ops.linear(hidden, weight), cap)  # [N, V] float32, the cap one pass after it
+            logits = gemv.gemma_gemv("softcap", hidden, weight, cap)  # [N, V] float32: the cap in the GEMV
+        else:
+            logits = softcap_logits(ops.linear(hidden, weight), cap)  # [N, V] float32, the cap one pass after it
+        if self.lm_head is None and embed.tp_size > 1:  # tied: this rank's vocabulary rows, gathered
+            return all_gather(logits, embed.tp_size)[:, : embed.vocab_size]
+        return logits
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         loader, skipped, unknown = CheckpointLoader(self), SkipLog(), []
