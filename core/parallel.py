@@ -40,7 +40,6 @@ class ParallelContext:
         n = size // self.tp_size
         return self.tp_rank * n, n
 
-
     def kv_heads(self, total: int) -> int:
         """Key-value heads this rank holds of ``total``: an equal share, or one (replicated) when fewer than ranks."""
         return max(1, total // self.tp_size)

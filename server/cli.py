@@ -23,7 +23,6 @@ from armillary.server.flags import (
     add_serve_args,
     check_thinking_budget,
     engine_config,
-    refuse_unbuilt,
     template_defaults,
 )
 from armillary.server.startup_checks import StartupError, bind_listening_socket, check_parser_names, describe_failure
@@ -106,7 +105,6 @@ def _check_server_flags(args: argparse.Namespace) -> None:
         raise StartupError(f"--request-timeout must be positive, not {args.request_timeout}")
     if not args.responses_store_ttl > 0:
         raise StartupError(f"--responses-store-ttl must be positive, not {args.responses_store_ttl}")
-    refuse_unbuilt(args)
     template_defaults(args)
 
 

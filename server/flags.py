@@ -1,8 +1,8 @@
 """The flags of ``armillary serve``, grouped as ``--help`` shows them, under vLLM's names with Atlas's as aliases.
 
 Engine flags default to None so that ``EngineConfig`` keeps its own defaults; ``engine_config``
-turns the parsed flags into an ``EngineConfig``. A flag whose feature is not built yet is
-accepted only at the value that means "off" and refused otherwise (``refuse_unbuilt``), never
+turns the parsed flags into an ``EngineConfig``. A combination of flags not built yet (speculation
+or an fp8 KV cache over several ranks) is refused by ``EngineConfig.validate`` naming its issue, never
 ignored.
 """
 from __future__ import annotations
@@ -75,8 +75,6 @@ _ENGINE_GROUPS: tuple[tuple[str, tuple[tuple[str, type, str, tuple[str, ...]], .
     )),
 )
 
-# flags of features not built yet: (dest, the value that means off, the feature and its issue)
-_UNBUILT: tuple[tuple[str, object, str], ...] = ()
 
 
 def _json_object(text: str) -> dict:
@@ -233,15 +231,6 @@ def _plugin_flags(parser: argparse.ArgumentParser, registry: PluginRegistry | No
         except Exception as exc:  # one plugin's flags failing must not hide the others' (or --help)
             log.warning("plugin %r could not add its flags: %s: %s", impl.plugin_name, type(exc).__name__, exc)
     parser.set_defaults(plugin_arg_names=sorted({action.dest for action in parser._actions} - before))
-
-
-def refuse_unbuilt(args: argparse.Namespace) -> None:
-    """A flag of a feature not built yet, set to anything but off: ``StartupError`` naming the feature."""
-    for dest, off, feature in _UNBUILT:
-        value = getattr(args, dest, off)
-        if value != off:
-            flag = "--" + dest.replace("_", "-")
-            raise StartupError(f"{flag} {value}: {feature}; this server runs a model on one GPU ({flag} {off})")
 
 
 def template_defaults(args: argparse.Namespace) -> dict:

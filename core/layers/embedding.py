@@ -33,8 +33,6 @@ class _VocabRows(nn.Module):
     def _load(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> Index:
         if shard_id is not None:
             raise WeightLoadError(f"a vocabulary matrix takes no shard (got {shard_id!r})")
-        if self.tp_size == 1:
-            return copy_checked(param, (), loaded, "vocabulary matrix")
         if loaded.shape[0] != self.vocab_size:
             raise WeightLoadError(f"vocabulary matrix expects {self.vocab_size} rows, the checkpoint tensor has "
                                   f"{loaded.shape[0]}")
@@ -43,6 +41,12 @@ class _VocabRows(nn.Module):
             param.data[mine.shape[0]:].zero_()  # padding rows past the vocabulary
         copy_checked(param, (slice(0, mine.shape[0]),), mine, "vocabulary matrix")
         return ()
+
+    def gather_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """This rank's logits columns [N, rows] -> every rank's, cut to the vocabulary [N, V] (a tied head's too)."""
+        if self.tp_size == 1:
+            return logits
+        return all_gather(logits, self.tp_size)[:, : self.vocab_size]
 
 
 class VocabEmbedding(_VocabRows):
@@ -76,10 +80,7 @@ class LMHead(_VocabRows):
         self.weight = embedding.weight  # the same rows of the same split
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(hidden, self.weight).float()  # [N, rows]
-        if self.tp_size == 1:
-            return logits
-        return all_gather(logits, self.tp_size)[:, : self.vocab_size]
+        return self.gather_logits(F.linear(hidden, self.weight).float())  # [N, rows] per rank
 
     def extra_repr(self) -> str:
         return f"{self.hidden_size}, {self.vocab_size}"

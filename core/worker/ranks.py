@@ -3,7 +3,8 @@ spawned, every step's plan broadcast from rank 0.
 
 ``RankedWorkers`` is the ``Worker`` the engine drives when ``world_size`` (the larger of the tensor- and the
 expert-parallel size: both groups are all the processes) is above 1. Rank r builds the model inside
-``use_parallel`` with tp_rank / ep_rank r (the shared layers keep their shard; each rank loads only its slices) on
+``use_parallel`` with tp_rank / ep_rank r (the shared layers keep their shard: each rank reads whole checkpoint
+tensors and keeps its slices) on
 ``cuda:r`` (NCCL for the model's collectives) or the CPU (gloo). The ranks follow rank 0 through one gloo control
 group: each ``Worker`` call is broadcast as (command, payload) and every rank runs it; the cache budget is the
 smallest any rank measured, the memory plan is rank 0's. A step's plan travels with host-only fields stripped

@@ -14,8 +14,8 @@ Experts as ``armillary.kernels.fp4.fused_moe`` takes them: w13 uint8 [E, 2I or I
 - grouped (prefill): rows sorted by expert into BLOCK_M blocks (``moe_align``), each weight tile
   unpacked to x's dtype times its group scales (``fp4_gemv.dequant_halves``: low / high halves
   against the rows' even / odd columns) for ``tl.dot``, loads pipelined; the weighted sum over
-  each token's k experts is core's one-pass ``sum_topk``. Rows per tile, each GEMM's weight tile (BLOCK_N x
-  BLOCK_K), warps and stages come from the "fp4_moe_grouped" tuning entry (keyed as fp8_moe's grouped
+  each token's k experts is core's one-pass ``sum_topk``. Rows per tile, each GEMM's weight tile
+  (BLOCK_N x BLOCK_K), warps and stages come from the "fp4_moe_grouped" tuning entry (keyed as fp8_moe's grouped
   entry: experts, hidden, intermediate, top-k and rows per expert; ``bench/fp4_moe_grouped_sweep.py``
   measures it).
 - dequant (prefill, where the bucket's ``fp4_moe_grouped`` entry says ``"variant": "dequant"``; the

@@ -15,7 +15,8 @@ Weights are float8_e4m3fn [E, N, K] with fp32 block scales [E, ceil(N / bn), cei
   is quantized once per row and 128-column group (``fp8_gemm.quantize_act``, one launch), and the
   tiles multiply on the fp8 tensor cores with ``acc += dot · a_scale · w_scale`` per K step, loads
   pipelined through shared memory; the activation (and gate · up) runs inside the second GEMM's
-  quantization launch; the weighted sum over each token's k experts is core's one-pass ``sum_topk``. Rows per tile, each GEMM's tile width, warps, stages and GROUP_M swizzle come from the
+  quantization launch; the weighted sum over each token's k experts is core's one-pass ``sum_topk``.
+  Rows per tile, each GEMM's tile width, warps, stages and GROUP_M swizzle come from the
   "fp8_moe_grouped" tuning entry (keyed by experts, hidden, intermediate, top-k and rows per expert;
   ``bench/fp8_moe_grouped_sweep.py`` measures it); BLOCK_K is the 128-column scale group.
 - dequant (prefill, where the bucket's entry says ``"variant": "dequant"``, which the sweep writes where

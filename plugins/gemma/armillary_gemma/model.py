@@ -21,7 +21,6 @@ from armillary.hf_config import HFConfig
 from armillary.kernels import ops
 from armillary.kernels.rotary import rotary_cos_sin
 from armillary.layers import CheckpointLoader, ReplicatedLinear, RMSNorm, VocabEmbedding
-from armillary.layers.collectives import all_gather
 from armillary.layers.quantization.unquantized import UnquantizedLinearMethod
 from armillary.model_base import CausalLM
 from armillary.parallel import get_parallel
@@ -111,9 +110,7 @@ class _GemmaForCausalLM(CausalLM):
             logits = gemv.gemma_gemv("softcap", hidden, weight, cap)  # [N, V] float32: the cap in the GEMV
         else:
             logits = softcap_logits(ops.linear(hidden, weight), cap)  # [N, V] float32, the cap one pass after it
-        if self.lm_head is None and embed.tp_size > 1:  # tied: this rank's vocabulary rows, gathered
-            return all_gather(logits, embed.tp_size)[:, : embed.vocab_size]
-        return logits
+        return embed.gather_logits(logits) if self.lm_head is None else logits  # tied: this rank's rows, gathered
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         loader, skipped, unknown = CheckpointLoader(self), SkipLog(), []

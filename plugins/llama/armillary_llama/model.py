@@ -22,7 +22,6 @@ from armillary.kernels.rotary import rotary_cos_sin
 from armillary.model_base import CausalLM
 from armillary.parallel import get_parallel
 from armillary.layers import CheckpointLoader, ReplicatedLinear, RMSNorm, VocabEmbedding
-from armillary.layers.collectives import all_gather
 from armillary_llama.config import LlamaArgs, config_warnings
 from armillary_llama.layers import LlamaDecoderLayer
 from armillary_llama.rope import llama_inv_freq
@@ -77,8 +76,7 @@ class LlamaForCausalLM(CausalLM):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.lm_head is None:  # tied: the embedding matrix (this rank's vocabulary rows) is the head
             embed = self.model.embed_tokens
-            logits = ops.linear(hidden, embed.weight).float()
-            return logits if embed.tp_size == 1 else all_gather(logits, embed.tp_size)[:, : embed.vocab_size]
+            return embed.gather_logits(ops.linear(hidden, embed.weight).float())
         return self.lm_head(hidden).float()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
