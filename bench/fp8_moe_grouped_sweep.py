@@ -76,7 +76,7 @@ TILE = Tiles(("BLOCK_N", "num_warps", "num_stages", "GROUP_M"))
 
 def defaults_at(shape: MoeShape, tokens: int, block_m: int | None = None) -> dict:
     """Today's launch (no table) at ``block_m`` rows per tile (None: today's rows for this many pairs)."""
-    return fp8_moe.grouped_defaults(tokens * shape.pairs, not SMOKE, block_m)
+    return fp8_moe.grouped_defaults(tokens * shape.pairs, not SMOKE, block_m, shape.experts)
 
 
 def fits(block_m: int, tile: tuple) -> bool:

@@ -77,14 +77,20 @@ def time_us(fn: Callable[[], torch.Tensor], tokens: int) -> tuple[float, torch.T
     if tokens <= GRAPH_TOKENS:
         us, outs = time_calls(lambda i: fn(), 1)
         return us, outs[0]
+    return events_us(fn), out
+
+
+def events_us(fn: Callable[[], object], calls: int = EVENT_CALLS) -> float:
+    """µs per eager call of fn() between two CUDA events, after one warm call (no graph: for calls that size
+    themselves on the host)."""
     fn()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
-    for _ in range(EVENT_CALLS):
+    for _ in range(calls):
         fn()
     end.record()
     torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1e3 / EVENT_CALLS, out
+    return start.elapsed_time(end) * 1e3 / calls
 
 
 def error_ratio(out: torch.Tensor, want: torch.Tensor) -> float:

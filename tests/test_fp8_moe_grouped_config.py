@@ -45,7 +45,12 @@ def test_defaults_are_todays_tiles(monkeypatch):
         "BLOCK_N2": 32, "num_warps2": 4, "num_stages2": 1, "GROUP_M2": 0}  # fmt: skip
     monkeypatch.setattr(fp8_skinny, "OFFLINE_SM_COUNT", 132)  # GPU launch configs without a GPU
     assert fp8_moe.grouped_config(257, 2048, 512, 9, 576, cpu) == {"BLOCK_M": 16, **TODAY_GPU}
-    assert fp8_moe.grouped_config(257, 2048, 512, 9, 1024, cpu) == {"BLOCK_M": 64, **TODAY_GPU}
+    # rows per tile by average rows per expert: 16 below 32, 32 below 64, then 64 (not by the pair count)
+    assert fp8_moe.grouped_config(257, 2048, 512, 9, 1024, cpu) == {"BLOCK_M": 16, **TODAY_GPU}
+    assert fp8_moe.grouped_config(257, 2048, 512, 9, 512 * 9, cpu) == {"BLOCK_M": 16, **TODAY_GPU}
+    assert fp8_moe.grouped_config(257, 2048, 512, 9, 1024 * 9, cpu) == {"BLOCK_M": 32, **TODAY_GPU}
+    assert fp8_moe.grouped_config(257, 2048, 512, 9, 2048 * 9, cpu) == {"BLOCK_M": 64, **TODAY_GPU}
+    assert fp8_moe.grouped_block_m(1024, True) == 64  # without the expert count: the pair-count rule
     eight = {**TODAY_GPU, "num_warps1": 8, "num_warps2": 8}  # block_m=128: the 8-warp tiles, as before
     assert fp8_moe.grouped_defaults(147456, True, 128) == {"BLOCK_M": 128, **eight}
 
@@ -109,6 +114,30 @@ def test_non_default_tiles_match_reference(block, tiles):
     args = _moe(block, seed=len(tiles))
     out = fp8_moe.fp8_fused_moe(*args, "silu", grouped=True, tiles=tiles)
     assert _ratio(out, ref.fused_moe(*args, "silu", quantize_input=True)) < 1e-5
+
+
+@pytest.mark.parametrize("tiles", [
+    {"TMA1": 1, "TMA2": 1},
+    {"BLOCK_M": 32, "BLOCK_N1": 64, "GROUP_M1": 2, "TMA1": 1, "BLOCK_N2": 32, "TMA2": 1},
+    {"TMA1": 1, "TMA2": 0},
+])  # fmt: skip
+def test_tma_weight_tiles_match_reference(tiles):
+    """Expert tiles through TMA descriptors (the interpreter emulates them on the CPU): N tiles past I and H
+    read the next expert's rows, which only masked columns see; the last expert's past the end read zeros."""
+    args = _moe((16, 32), seed=7)
+    out = fp8_moe.fp8_fused_moe(*args, "silu", grouped=True, tiles=tiles)
+    assert _ratio(out, ref.fused_moe(*args, "silu", quantize_input=True)) < 1e-5
+    assert torch.equal(out, fp8_moe.fp8_fused_moe(*args, "silu", grouped=True, tiles={**tiles, "TMA1": 0, "TMA2": 0}))
+
+
+def test_tma_rule_and_refusal():
+    w = torch.empty(3, 256, 160, dtype=ref.FP8_DTYPE)
+    assert not fp8_moe.use_tma(w, 32)  # off the GPU the rule says no
+    assert fp8_moe.use_tma(w, 32, 1) and not fp8_moe.use_tma(w, 32, 0)
+    with pytest.raises(ValueError, match="TMA needs"):
+        fp8_moe.use_tma(w, 128, 1)  # 160 columns are not whole 128-column tiles
+    with pytest.raises(ValueError, match="TMA needs"):
+        fp8_moe.use_tma(w.transpose(1, 2), 32, 1)
 
 
 @pytest.fixture(scope="module")

@@ -28,15 +28,18 @@ def torch_accepts(a: torch.Tensor, b: torch.Tensor, sa: torch.Tensor, sb: torch.
             and sbt.dim() == 2 and size_stride(sbt, 0, -(-n // 128), kb) and size_stride(sbt, 1, kb, 1))
 
 
-def fake_scaled_mm(a, b, scale_a, scale_b, bias=None, out_dtype=None, **_):
-    """torch._scaled_mm as cuBLAS computes it, refusing what torch refuses."""
+def fake_scaled_mm(a, b, scale_a, scale_b, bias=None, out_dtype=None, out=None, **_):
+    """torch._scaled_mm as cuBLAS computes it, refusing what torch refuses; ``out`` written in place."""
     if not torch_accepts(a, b, scale_a, scale_b):
         raise RuntimeError("Invalid scaling configuration")
-    out = fp8_scaled_mm.emulate(a, b, scale_a, scale_b, torch.float32)
+    result = fp8_scaled_mm.emulate(a, b, scale_a, scale_b, torch.float32)
     if bias is not None:
         assert bias.dtype == out_dtype
-        out = out + bias.float()
-    return out.to(out_dtype)
+        result = result + bias.float()
+    if out is None:
+        return result.to(out_dtype)
+    assert out.shape == result.shape and out.stride(1) == 1 and out.dtype == out_dtype
+    return out.copy_(result)
 
 
 def _weights(n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -79,7 +82,10 @@ def test_shape_rules():
     assert not fp8_scaled_mm.fits(200, x, wq, ws, 64, 128)  # other blocks
     w3, s3 = _weights(256, 384, 0)  # K / 128 = 3 scales: cuBLAS wants them padded to 4, the op cannot
     assert not fp8_scaled_mm.fits(200, x[:, :384], w3, s3, 128, 128)
-    assert not fp8_scaled_mm.fits(200, x, wq[:200], ws[:2], 128, 128)  # N not whole blocks
+    assert not fp8_scaled_mm.fits(200, x, wq[:200], ws[:2], 128, 128)  # N not whole blocks below PARTIAL_MIN_ROWS
+    big = torch.zeros(fp8_scaled_mm.PARTIAL_MIN_ROWS, 512, dtype=torch.bfloat16)
+    assert fp8_scaled_mm.fits(big.shape[0], big, wq[:200], ws[:2], 128, 128)  # from there the last rows on Triton
+    assert not fp8_scaled_mm.fits(big.shape[0], big, wq[:100], ws[:1], 128, 128)  # not one whole block
 
 
 def test_cpu_never_takes_cublas_and_forcing_it_is_an_error():
@@ -138,3 +144,50 @@ def test_probe_accepts_the_right_layout_and_rejects_a_wrong_one():
 
     ok, why = fp8_scaled_mm.probe(cpu, fp8_gemm.quantize_act, refuses, m=20)
     assert not ok and "SM90" in why
+
+
+@pytest.mark.parametrize("n,tail_rows", [(320, 0), (256, 24), (320, 24)])
+def test_ready_route_splits_partial_blocks_and_writes_the_tail_in_place(monkeypatch, n, tail_rows):
+    """N past the last whole 128-row block: cuBLAS takes the whole blocks (written into a column slice of the
+    output), the Triton GEMM the last rows; unquantized tail rows land after them; all equal the reference."""
+    torch.manual_seed(6)
+    calls = []
+
+    def recorder(*args, **kwargs):
+        calls.append((args[1].shape[1], kwargs.get("out") is not None))
+        return fake_scaled_mm(*args, **kwargs)
+
+    monkeypatch.setitem(fp8_scaled_mm._READY, ("cpu", None), True)
+    monkeypatch.setattr(torch, "_scaled_mm", recorder, raising=False)
+    monkeypatch.setattr(fp8_scaled_mm, "MIN_ROWS", 16)
+    monkeypatch.setattr(fp8_scaled_mm, "PARTIAL_MIN_ROWS", 32)
+    x = torch.randn(37, 512).to(torch.float16)
+    gen = torch.Generator().manual_seed(n)
+    wq, ws = ref.quantize_blocks(torch.randn(n, 512, generator=gen), 128, 128)
+    tail = torch.randn(tail_rows, 512, generator=gen).to(torch.float16) if tail_rows else None
+    bias = torch.randn(n + tail_rows, generator=gen).to(torch.float16)
+    out = fp8_gemm.fp8_linear(x, wq, ws, 128, 128, bias, config=dict(prefill=True), tail=tail)
+    assert calls == [(n - n % 128, True)] and out.shape == (37, n + tail_rows)
+    want = ref.linear_w8a8(x, wq, ws, 128, 128, bias[:n])
+    if tail is not None:
+        want = torch.cat([want, torch.nn.functional.linear(x.float(), tail.float(), bias[n:].float()).half()], 1)
+    assert _ratio(out, want) < 2e-3
+    assert _ratio(out[:, n - n % 128:], want[:, n - n % 128:]) < 2e-3  # the Triton rows and the tail on their own
+    weight_only = ref.linear(x, wq, ws, 128, 128, bias[:n])  # the reference's tail contract: the same columns
+    if tail is not None:
+        weight_only = torch.cat([weight_only, torch.nn.functional.linear(x, tail, bias[n:])], 1)
+    assert torch.equal(ref.linear(x, wq, ws, 128, 128, bias, tail), weight_only)
+
+
+@pytest.mark.parametrize("rows", [5, 70])
+def test_triton_paths_write_the_tail(rows):
+    """Off cuBLAS (the skinny decode GEMM, the Triton prefill GEMM) the tail rows follow the fp8 ones."""
+    torch.manual_seed(7)
+    x = torch.randn(rows, 256)
+    wq, ws = ref.quantize_blocks(torch.randn(96, 256), 32, 64)
+    tail, bias = torch.randn(10, 256), torch.randn(106)
+    out = fp8_gemm.fp8_linear(x, wq, ws, 32, 64, bias, tail=tail)
+    fp8_ref = ref.linear if rows <= fp8_gemm.DECODE_MAX_ROWS else ref.linear_w8a8  # prefill quantizes x
+    want = torch.cat([fp8_ref(x, wq, ws, 32, 64, bias[:96]), x @ tail.t() + bias[96:]], 1)
+    assert out.shape == (rows, 106) and _ratio(out, want) < 1e-5
+    assert _ratio(out[:, 96:], x @ tail.t() + bias[96:]) < 1e-5

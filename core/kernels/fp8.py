@@ -56,9 +56,11 @@ def quantize_act_groups(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torc
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block_n: int, block_k: int,
-           bias: torch.Tensor | None) -> torch.Tensor:
-    """``x @ dequant(weight).T + bias``: x [M, K], weight fp8 [N, K] -> [M, N] in x's dtype (the CPU path)."""
-    return F.linear(x, dequantize(weight, scale, block_n, block_k, x.dtype), bias)
+           bias: torch.Tensor | None, tail: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ dequant(weight).T + bias``: x [M, K], weight fp8 [N, K] -> [M, N] in x's dtype (the CPU path);
+    ``tail`` [N_t, K] in x's dtype: unquantized rows after the fp8 ones ([M, N + N_t])."""
+    w = dequantize(weight, scale, block_n, block_k, x.dtype)
+    return F.linear(x, w if tail is None else torch.cat([w, tail]), bias)
 
 
 def linear_w8a8(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block_n: int, block_k: int,

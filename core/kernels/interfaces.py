@@ -113,9 +113,11 @@ class FusedMoE(Protocol):
 
 class Fp8Linear(Protocol):
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block_n: int, block_k: int,
-                 bias: torch.Tensor | None) -> torch.Tensor:
+                 bias: torch.Tensor | None, tail: torch.Tensor | None = None) -> torch.Tensor:
         """``x @ (weight · scale).T + bias``: x [M, K], weight float8_e4m3fn [N, K], scale fp32
-        [ceil(N / block_n), ceil(K / block_k)] (multiplied in), bias [N] or None -> [M, N] in x's dtype."""
+        [ceil(N / block_n), ceil(K / block_k)] (multiplied in), bias [N] or None -> [M, N] in x's dtype;
+        ``tail`` [N_t, K] in x's dtype: unquantized rows after the fp8 ones, in the same output
+        ([M, N + N_t], bias [N + N_t])."""
 
 
 class Fp8FusedMoE(Protocol):

@@ -180,11 +180,11 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block_n: int, block_k: int,
-               bias: torch.Tensor | None = None) -> torch.Tensor:
+               bias: torch.Tensor | None = None, tail: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ (weight · scale).T + bias`` for fp8 weights [N, K] with block scales [ceil(N/bn), ceil(K/bk)]
-    (per-channel: bn 1, bk K). Triton: activations quantized per token-group in the GEMM; reference:
-    the weight dequantized into x's dtype."""
-    return _calls(x)["fp8_linear"](x, weight, scale, block_n, block_k, bias)
+    (per-channel: bn 1, bk K), then the unquantized ``tail`` rows [N_t, K] in the same output. Triton:
+    activations quantized per token-group in the GEMM; reference: the weight dequantized into x's dtype."""
+    return _calls(x)["fp8_linear"](x, weight, scale, block_n, block_k, bias, tail)
 
 
 def fp8_fused_moe(x: torch.Tensor, w13: torch.Tensor, s13: torch.Tensor, w2: torch.Tensor, s2: torch.Tensor,

@@ -219,10 +219,14 @@ def use_scaled_mm(m: int, x: torch.Tensor, weight: torch.Tensor, scale: torch.Te
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block_n: int, block_k: int,
-               bias: torch.Tensor | None = None, config: dict | None = None) -> torch.Tensor:
+               bias: torch.Tensor | None = None, config: dict | None = None,
+               tail: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] (bf16 / fp16 / fp32, unit last stride), weight fp8 [N, K] contiguous rows, scale fp32
-    [ceil(N / bn), ceil(K / bk)] -> [M, N] in x's dtype. ``config`` overrides the chosen path's keys
-    (``prefill: True`` forces a prefill path; ``scaled_mm``: True / False forces cuBLAS / Triton for it)."""
+    [ceil(N / bn), ceil(K / bk)] -> [M, N] in x's dtype; ``tail`` [N_t, K] in x's dtype: unquantized rows
+    after the fp8 ones, written into the same output ([M, N + N_t]; ``bias`` then covers all of them).
+    ``config`` overrides the chosen path's keys (``prefill: True`` forces a prefill path; ``scaled_mm``:
+    True / False forces cuBLAS / Triton for it). On cuBLAS a weight whose N is not whole 128-row blocks
+    runs its whole blocks there and the last rows on the Triton GEMM, into one output."""
     m, k = x.shape
     n = weight.shape[0]
     if weight.shape[1] != k or x.stride(1) != 1 or weight.stride(1) != 1:
@@ -230,26 +234,52 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block
     if scale.shape != (triton.cdiv(n, block_n), triton.cdiv(k, block_k)) and not (block_k >= k and scale.shape == (triton.cdiv(n, block_n), 1)):
         raise ValueError(f"fp8_linear: scale {tuple(scale.shape)} does not fit weight {tuple(weight.shape)} "
                          f"in blocks of ({block_n}, {block_k})")
+    if tail is not None and (tail.shape[1] != k or tail.dtype != x.dtype):
+        raise ValueError(f"fp8_linear: tail {tuple(tail.shape)} {tail.dtype} must be [N_t, {k}] in {x.dtype}")
+    width = n + (tail.shape[0] if tail is not None else 0)
     if m == 0:
-        return x.new_empty(0, n)
+        return x.new_empty(0, width)
+    fp8_bias, tail_bias = (bias[:n], bias[n:]) if bias is not None and tail is not None else (bias, None)
     cfg = dict(config or {})
     if m <= DECODE_MAX_ROWS and not cfg.pop("prefill", False):
-        return fp8_skinny_gemm(x, weight, scale, block_n, block_k, bias, cfg)
+        out = fp8_skinny_gemm(x, weight, scale, block_n, block_k, fp8_bias, cfg)
+        return out if tail is None else torch.cat([out, torch.nn.functional.linear(x, tail, tail_bias)], dim=-1)
     cfg.pop("prefill", None)
     if use_scaled_mm(m, x, weight, scale, block_n, block_k, cfg.pop("scaled_mm", None)):
-        xq, xs = quantize_act(x, fp8_scaled_mm.BLOCK, fp8_scaled_mm.padded_rows(m))  # [Mp, K], [K / 128, Mp]
-        return fp8_scaled_mm.matmul(xq, xs, weight, scale, bias, x.dtype, m)
-    cfg = {**prefill_config(m, on_gpu(x.device)), **cfg}
+        rows = fp8_scaled_mm.padded_rows(m)
+        xq, xs = quantize_act(x, fp8_scaled_mm.BLOCK, rows)  # [Mp, K], [K / 128, Mp]
+        out = x.new_empty(rows, width)
+        whole = n - n % fp8_scaled_mm.BLOCK  # cuBLAS takes whole 128-row blocks; the rest the Triton GEMM
+        fp8_scaled_mm.matmul(xq, xs, weight[:whole], scale[: whole // fp8_scaled_mm.BLOCK],
+                             fp8_bias[:whole] if fp8_bias is not None else None, x.dtype, rows, out=out[:, :whole])
+        if whole < n:
+            _block_gemm(xq, xs, weight[whole:], scale[whole // block_n:], block_n, block_k,
+                        fp8_bias[whole:] if fp8_bias is not None else None, out[:, whole:n], cfg)
+    else:
+        xq, xs = quantize_act(x, act_group(k, block_k))
+        out = x.new_empty(m, width)
+        _block_gemm(xq, xs, weight, scale, block_n, block_k, fp8_bias, out[:, :n], cfg)
+    if tail is not None:  # written in place: a concatenation would copy the whole output again
+        torch.mm(x, tail.t(), out=out[:m, n:])
+        if tail_bias is not None:
+            out[:m, n:] += tail_bias
+    return out[:m]
+
+
+def _block_gemm(xq: torch.Tensor, xs: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block_n: int,
+                block_k: int, bias: torch.Tensor | None, out: torch.Tensor, config: dict) -> None:
+    """The Triton block GEMM of quantized rows ``xq`` [R, K] (scales ``xs`` [K / G, R]) into ``out`` [R, N]
+    (unit last stride, any row stride)."""
+    rows, k = xq.shape
+    n = weight.shape[0]
+    cfg = {**prefill_config(rows, on_gpu(xq.device)), **config}
     group = act_group(k, block_k)
-    xq, xs = quantize_act(x, group)
-    out = x.new_empty(m, n)
-    grid = (triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"]),)
+    grid = (triton.cdiv(rows, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"]),)
     _fp8_block_gemm_kernel[grid](
-        xq, xs, weight, scale, bias if bias is not None else out, out, m, n, k,
+        xq, xs, weight, scale, bias if bias is not None else out, out, rows, n, k,
         xq.stride(0), weight.stride(0), out.stride(0), scale.stride(0), scale.stride(1) if scale.shape[1] > 1 else 0,
         GROUP_N=block_n, GROUP_K=block_k if block_k < k else 1 << 30,
         ROWS_SHARE=block_n % cfg["BLOCK_N"] == 0, HAS_BIAS=bias is not None, EVEN_K=k % group == 0,
         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=group, GROUP_M=cfg["GROUP_M"],
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )  # fmt: skip
-    return out

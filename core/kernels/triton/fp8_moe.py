@@ -14,7 +14,7 @@ Weights are float8_e4m3fn [E, N, K] with fp32 block scales [E, ceil(N / bn), cei
 - grouped (prefill): rows sorted by expert into BLOCK_M blocks (``moe_align``); each GEMM's input
   is quantized once per row and 128-column group (``fp8_gemm.quantize_act``, one launch), and the
   tiles multiply on the fp8 tensor cores with ``acc += dot · a_scale · w_scale`` per K step, loads
-  pipelined through shared memory; the activation (and gate · up) runs inside the second GEMM's
+  pipelined through shared memory (the expert tiles through a TMA descriptor on a GPU: ``use_tma``); the activation (and gate · up) runs inside the second GEMM's
   quantization launch; the weighted sum over each token's k experts is core's one-pass ``sum_topk``.
   Rows per tile, each GEMM's tile width, warps, stages and GROUP_M swizzle come from the
   "fp8_moe_grouped" tuning entry (keyed by experts, hidden, intermediate, top-k and rows per expert;
@@ -40,6 +40,11 @@ from armillary.kernels.triton.fp8_skinny import (WIDE_FOLD, fp8_row_products, fp
 from armillary.kernels.triton import moe as bf16_moe
 from armillary.kernels.triton.moe_align import moe_align
 from armillary.kernels.triton.pdl import pdl_prologue
+
+try:  # host-built TMA descriptors (Triton >= 3.4)
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:  # an older Triton: the pointer loads only
+    TensorDescriptor = None
 
 GEMV_MAX_PAIRS = 64  # at most this many (token, expert) pairs take the GEMV path
 TUNING_PACKAGE = "armillary.kernels"
@@ -67,11 +72,13 @@ def _grouped_kernel(
     stride_am, stride_we, stride_wn, stride_se, stride_sn, stride_sk, stride_om,
     A_DIV: tl.constexpr, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, ROWS_SHARE: tl.constexpr,
     EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr,
+    GROUP_M: tl.constexpr, W_TMA: tl.constexpr,
 ):  # fmt: skip
     """Grid (max_blocks, cdiv(N, BN)), or (max_blocks · cdiv(N, BN),) with GROUP_M > 0: rows of
     expert-sorted block ``pid_m``; input row pair // A_DIV of the e4m3 a [A_ROWS, K] with scales as
-    [cdiv(K, BK), A_ROWS]; output row = pair."""
+    [cdiv(K, BK), A_ROWS]; output row = pair. ``W_TMA``: ``w_ptr`` is a [E · N, K] tensor descriptor with
+    [BN, BK] blocks (TMA loads on sm_90; K whole BK tiles; rows past an expert's N are the next expert's,
+    which only the masked output columns see)."""
     if GROUP_M > 0:  # GROUP_M consecutive blocks (mostly one expert) share their a rows across the N tiles in L2
         pid, n_tiles = tl.program_id(0), tl.cdiv(N, BLOCK_N)
         per_group = GROUP_M * n_tiles
@@ -92,14 +99,19 @@ def _grouped_kernel(
     cols = offs_n % N
     offs_k = tl.arange(0, BLOCK_K)
     a_ptrs = a_ptr + src[:, None] * stride_am + offs_k[None, :]  # [BM, BK]
-    w_base = w_ptr + e.to(tl.int64) * stride_we
     s_base = s_ptr + e.to(tl.int64) * stride_se
-    w_ptrs = w_base + cols[None, :].to(tl.int64) * stride_wn + offs_k[:, None]  # [BK, BN], K-major
+    if W_TMA:
+        w_row = e * N + pid_n * BLOCK_N
+    else:
+        w_ptrs = w_ptr + e.to(tl.int64) * stride_we + cols[None, :].to(tl.int64) * stride_wn + offs_k[:, None]
     row_blk = (pid_n * BLOCK_N) // GROUP_N
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for kt in range(0, tl.cdiv(K, BLOCK_K)):
         k0 = kt * BLOCK_K
-        if EVEN_K:
+        if W_TMA:
+            a = tl.load(a_ptrs)
+            w = w_ptr.load([w_row, k0]).T  # [BK, BN], K-major as the fp8 wgmma wants
+        elif EVEN_K:
             a = tl.load(a_ptrs)
             w = tl.load(w_ptrs)
         else:
@@ -114,7 +126,8 @@ def _grouped_kernel(
             w_s = tl.load(s_base + (cols // GROUP_N) * stride_sn + (k0 // GROUP_K) * stride_sk)  # [BN]
             acc += tl.dot(a, w) * a_s[:, None] * w_s[None, :]
         a_ptrs += BLOCK_K
-        w_ptrs += BLOCK_K
+        if not W_TMA:
+            w_ptrs += BLOCK_K
     dst = out_ptr + pair[:, None] * stride_om + offs_n[None, :]
     tl.store(dst, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & (offs_n < N)[None, :])
 
@@ -319,36 +332,58 @@ def _gemv_moe(x, w13, s13, w2, s2, block_n, block_k, topk_weights, topk_ids, act
 def _grouped_gemm(aq: torch.Tensor, a_s: torch.Tensor, w: torch.Tensor, s: torch.Tensor, block_n: int, block_k: int,
                   a_div: int, num_pairs: int, align, out_dtype: torch.dtype, tile: dict) -> torch.Tensor:
     """Per-pair rows [pairs, N] of ``a[pair // a_div] @ (w[e] · s[e]).T`` from a's e4m3 rows ``aq`` and their
-    group scales ``a_s`` (quantize_act's); ``tile``: BLOCK_N, num_warps, num_stages, GROUP_M of this launch."""
-    _, n, k = w.shape
+    group scales ``a_s`` (quantize_act's); ``tile``: BLOCK_N, num_warps, num_stages, GROUP_M of this launch,
+    and TMA (None: ``use_tma``'s rule)."""
+    e, n, k = w.shape
     group = act_group(k, block_k)
     out = torch.empty(num_pairs, n, dtype=out_dtype, device=aq.device)
     bn, group_m = tile["BLOCK_N"], tile["GROUP_M"]
     blocks, n_tiles = align.block_expert.shape[0], triton.cdiv(n, bn)
+    tma = use_tma(w, group, tile.get("TMA"))
+    w_arg = TensorDescriptor.from_tensor(w.view(e * n, k), [bn, group]) if tma else w
     _grouped_kernel[(blocks * n_tiles,) if group_m > 0 else (blocks, n_tiles)](
-        aq, a_s, w, s, out, align.sorted_pair_ids, align.block_expert, align.expert_offsets, align.expert_counts,
+        aq, a_s, w_arg, s, out, align.sorted_pair_ids, align.block_expert, align.expert_offsets, align.expert_counts,
         aq.shape[0], n, k, aq.stride(0), w.stride(0), w.stride(1), s.stride(0), s.stride(1),
         s.stride(2) if s.shape[2] > 1 else 0, out.stride(0), A_DIV=a_div, GROUP_N=block_n,
         GROUP_K=block_k if block_k < k else 1 << 30, ROWS_SHARE=block_n % bn == 0, EVEN_K=k % group == 0,
-        BLOCK_M=align.block_m, BLOCK_N=bn, BLOCK_K=group, GROUP_M=group_m, num_warps=tile["num_warps"],
+        BLOCK_M=align.block_m, BLOCK_N=bn, BLOCK_K=group, GROUP_M=group_m, W_TMA=tma, num_warps=tile["num_warps"],
         num_stages=tile["num_stages"],
     )  # fmt: skip
     return out
 
 
-def grouped_block_m(num_pairs: int, gpu: bool) -> int:
-    """Rows per grouped tile without a table entry: 64 from 1024 pairs, else 16. (128-row tiles with 8 warps,
+def use_tma(w: torch.Tensor, group: int, choice: int | bool | None = None) -> bool:
+    """Whether a grouped GEMM reads its expert tiles through a TMA descriptor: ``choice`` (a table's or a
+    test's ``TMA1`` / ``TMA2``) where given, else on a GPU (on the H200, Qwen3.6 experts, whole MoE calls:
+    1.00-1.05x from 8 to 4096 tokens, 0.96x at 16K, which the Qwen table turns off); always only for contiguous
+    experts of whole K tiles."""
+    fits = TensorDescriptor is not None and w.is_contiguous() and w.shape[2] % group == 0 and w.shape[2] % 16 == 0
+    if choice is not None:
+        if choice and not fits:
+            raise ValueError(f"fp8 grouped MoE: TMA needs contiguous experts of whole {group}-column tiles, not "
+                             f"{tuple(w.shape)}")
+        return bool(choice)
+    return fits and on_gpu(w.device)
+
+
+def grouped_block_m(num_pairs: int, gpu: bool, num_experts: int | None = None) -> int:
+    """Rows per grouped tile without a table entry. By average rows per expert (``num_experts`` given): 16
+    below 32, 32 below 64, else 64 (on the H200 at Qwen3.6's 257 experts, 16 rows ran 1.8-2.2x the 64 of the
+    pair-count rule at 128-512 tokens); without it 64 from 1024 pairs, else 16. (128-row tiles with 8 warps,
     tried for experts of 256+ rows, timed 4215.7 us against 4024.0 us for 64 at a 16K-token prefill on the
     H200; ``block_m=128`` still selects them.)"""
     if not gpu:
         return 16
-    return 64 if num_pairs >= 1024 else 16
+    if num_experts is None:
+        return 64 if num_pairs >= 1024 else 16
+    avg = num_pairs / num_experts
+    return 16 if avg < 32 else 32 if avg < 64 else 64
 
 
-def grouped_defaults(num_pairs: int, gpu: bool, block_m: int | None = None) -> dict:
+def grouped_defaults(num_pairs: int, gpu: bool, block_m: int | None = None, num_experts: int | None = None) -> dict:
     """The grouped launch without a table entry (variant "grouped"): ``block_m`` (None: grouped_block_m) rows, 128-wide tiles
     (32 in the interpreter), 8 warps for 128-row tiles (the dense prefill GEMM's config), else 4; 4 stages."""
-    bm = grouped_block_m(num_pairs, gpu) if block_m is None else block_m
+    bm = grouped_block_m(num_pairs, gpu, num_experts) if block_m is None else block_m
     bn, warps, stages = (128, 8 if bm >= 128 else 4, 4) if gpu else (32, 4, 1)
     return {"variant": "grouped", "BLOCK_M": bm, **{f"{key}{gemm}": value for gemm in (1, 2)
                                                     for key, value in zip(_GROUPED_TILE_KEYS, (bn, warps, stages, 0))}}
@@ -366,13 +401,14 @@ def grouped_config(num_experts: int, hidden: int, inter: int, top_k: int, num_pa
                    device: torch.device) -> dict:
     """Launch parameters of the grouped path: grouped_defaults under the "fp8_moe_grouped" tables."""
     key = grouped_config_key(num_experts, hidden, inter, top_k, num_pairs)
-    return tuning.kernel_config(TUNING_PACKAGE, GROUPED_KERNEL, key, grouped_defaults(num_pairs, on_gpu(device)),
-                                device)
+    return tuning.kernel_config(TUNING_PACKAGE, GROUPED_KERNEL, key,
+                                grouped_defaults(num_pairs, on_gpu(device), num_experts=num_experts), device)
 
 
 def _grouped_tile(cfg: dict, gemm: int) -> dict:
     """One GEMM's launch keys out of a grouped config, checked (tl.dot and tl.arange need powers of two)."""
     tile = {key: cfg[f"{key}{gemm}"] for key in _GROUPED_TILE_KEYS}
+    tile["TMA"] = cfg.get(f"TMA{gemm}")  # optional: None leaves it to use_tma's rule
     if tile["BLOCK_N"] < 16 or tile["BLOCK_N"] & (tile["BLOCK_N"] - 1) or tile["GROUP_M"] < 0:
         raise ValueError(f"fp8 grouped MoE: BLOCK_N{gemm} must be a power of two >= 16 and GROUP_M{gemm} >= 0, "
                          f"not {tile}")

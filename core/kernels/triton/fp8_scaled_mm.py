@@ -34,6 +34,11 @@ log = logging.getLogger("armillary")
 
 BLOCK = 128  # the only block size cuBLAS scales by
 MIN_ROWS = 128  # prefill calls with more rows than this take cuBLAS (the Triton GEMM below)
+# a weight with rows past its last whole 128-row block takes cuBLAS (those rows on the Triton GEMM) from this
+# many rows: on the H200 at N 12352, K 2048 the split ran 129.5 / 208.4 / 373.0 / 726.5 us against the Triton
+# GEMM's 184.8 / 354.4 / 694.4 / 1401.0 at 2K / 4K / 8K / 16K rows (bench/fp8_prefill_paths.py; an earlier,
+# rougher check had 231 against 191 at 2K and 223 against 144 at 200 rows)
+PARTIAL_MIN_ROWS = 2048
 ROW_ALIGN = 16  # rows padded to this: scale_a's stride M stays a multiple of 16 bytes
 PROBE_TOLERANCE = 1e-2  # relative error vs the reference; bf16 output rounding alone is ~2e-3
 _READY: dict[tuple[str, int | None], bool] = {}
@@ -47,12 +52,15 @@ def padded_rows(m: int) -> int:
 def fits(m: int, x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block_n: int, block_k: int,
          min_rows: int = MIN_ROWS) -> bool:
     """Shape and layout rules of the cuBLAS route (no device state): 128 x 128 blocks, K a multiple of
-    512 (K / 128 scales a multiple of 4), N of 128, bf16 / fp16 activations, contiguous weight and scales."""
+    512 (K / 128 scales a multiple of 4), N whole 128-row blocks (or, from PARTIAL_MIN_ROWS rows, at least one:
+    fp8_linear runs the rows past the last whole block on the Triton GEMM), bf16 / fp16 activations,
+    contiguous weight and scales."""
     n, k = weight.shape
-    return (m > min_rows and block_n == BLOCK and block_k == BLOCK and k % (4 * BLOCK) == 0 and n % BLOCK == 0
+    whole = n % BLOCK == 0 or (n >= BLOCK and m >= PARTIAL_MIN_ROWS)
+    return (m > min_rows and block_n == BLOCK and block_k == BLOCK and k % (4 * BLOCK) == 0 and whole
             and x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == ref.FP8_DTYPE
             and weight.is_contiguous() and scale.dtype == torch.float32 and scale.is_contiguous()
-            and scale.shape == (n // BLOCK, k // BLOCK))
+            and scale.shape == (-(-n // BLOCK), k // BLOCK))
 
 
 def operands(xq: torch.Tensor, xs: torch.Tensor, weight: torch.Tensor,
@@ -70,14 +78,19 @@ def operands(xq: torch.Tensor, xs: torch.Tensor, weight: torch.Tensor,
 
 
 def matmul(xq: torch.Tensor, xs: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
-           bias: torch.Tensor | None, out_dtype: torch.dtype, m: int) -> torch.Tensor:
-    """The first ``m`` rows of ``dequant(xq) @ dequant(weight).T (+ bias)`` on cuBLASLt: [m, N] in out_dtype."""
+           bias: torch.Tensor | None, out_dtype: torch.dtype, m: int, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The first ``m`` rows of ``dequant(xq) @ dequant(weight).T (+ bias)`` on cuBLASLt: [m, N] in out_dtype.
+    ``out``: an [Mp, N] view (unit last stride, any row stride: cuBLAS writes it in place, measured no slower
+    on the H200) to write all padded rows into."""
     a, b, sa, sb = operands(xq, xs, weight, scale)
     fused_bias = bias if bias is not None and bias.dtype == out_dtype else None
-    out = torch._scaled_mm(a, b, scale_a=sa, scale_b=sb, bias=fused_bias, out_dtype=out_dtype)[:m]
+    if out is None:
+        result = torch._scaled_mm(a, b, scale_a=sa, scale_b=sb, bias=fused_bias, out_dtype=out_dtype)
+    else:
+        result = torch._scaled_mm(a, b, scale_a=sa, scale_b=sb, bias=fused_bias, out_dtype=out_dtype, out=out)
     if bias is not None and fused_bias is None:
-        out = out + bias.to(out_dtype)
-    return out
+        result += bias.to(out_dtype)
+    return result[:m]
 
 
 def emulate(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor,

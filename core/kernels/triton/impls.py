@@ -136,10 +136,10 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block_n: int, block_k: int,
-               bias: torch.Tensor | None) -> torch.Tensor:
+               bias: torch.Tensor | None, tail: torch.Tensor | None = None) -> torch.Tensor:
     from armillary.kernels.triton import fp8_gemm
 
-    return fp8_gemm.fp8_linear(x, weight, scale, block_n, block_k, bias)
+    return fp8_gemm.fp8_linear(x, weight, scale, block_n, block_k, bias, tail=tail)
 
 
 def fp8_fused_moe(x: torch.Tensor, w13: torch.Tensor, s13: torch.Tensor, w2: torch.Tensor, s2: torch.Tensor,

@@ -8,7 +8,7 @@ inside the Triton GEMM; the CPU path dequantizes the weight (``armillary.kernels
 
 A stacked layer whose trailing slots are not on block edges (Qwen3.5's GDN ``in_proj`` rows
 [q | k | v | z | b | a], where the 32-row b and a are left unquantized in the checkpoint) keeps
-those slots in the params dtype as ``weight_tail`` and runs them through ``ops.linear``.
+those slots in the params dtype as ``weight_tail``, which ``ops.fp8_linear`` writes into the same output.
 """
 from __future__ import annotations
 
@@ -80,13 +80,8 @@ class Fp8LinearMethod(QuantMethod):
         lead = x.shape[:-1]
         x2 = x.reshape(-1, x.shape[-1])
         bn, bk = layer.fp8_block
-        tail = getattr(layer, "weight_tail", None)
-        out = ops.fp8_linear(x2, layer.weight, getattr(layer, self.scale_name), bn, bk,
-                             None if tail is not None else bias)  # [M, N_fp8]
-        if tail is not None:
-            out = torch.cat([out, ops.linear(x2, tail)], dim=-1)  # [M, N]
-            if bias is not None:
-                out = out + bias
+        out = ops.fp8_linear(x2, layer.weight, getattr(layer, self.scale_name), bn, bk, bias,
+                             getattr(layer, "weight_tail", None))  # [M, N_fp8 + N_tail]
         return out.view(*lead, out.shape[-1])
 
 
