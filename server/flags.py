@@ -125,7 +125,8 @@ def add_serve_args(parser: argparse.ArgumentParser, registry: PluginRegistry | N
     par = parser.add_argument_group("parallelism")
     par.add_argument("--tensor-parallel-size", "--tp-size", "-tp", dest="tensor_parallel_size", type=_positive_int,
                      default=1, help="ranks one model is split over, one process each (GPUs, or CPU processes over "
-                     "gloo); models whose plugin shards its layers (llama, gemma, qwen_gdn_moe today; issue 20)")
+                     "gloo); models whose plugin shards its layers (every bundled one: llama, gemma, qwen_gdn_moe, "
+                     "nemotron, glm_flash)")
     par.add_argument("--expert-parallel-size", "--ep-size", dest="expert_parallel_size", type=_positive_int,
                      default=1, help="ranks the MoE experts are split over, whole: the tensor-parallel size (the same "
                      "ranks), or any with --tp-size 1")

@@ -9,8 +9,15 @@ launches per layer between the projections (``ops/mla/absorb.py``: rope / norm /
 W_UK; ``ops/mla/decode.py``: attention over the latents; ``ops/mla/expand.py``: the splits combined
 and taken through W_UV into ``o_proj``'s layout); prefill chunks expand keys and values through
 ``kv_b_proj`` and run MHA.
+
+Tensor parallelism splits by heads, as vLLM and SGLang shard MLA: ``q_b_proj`` (or ``q_proj``) and ``kv_b_proj``
+keep this rank's heads' rows (both are head-major, so a row split is a head split), ``o_proj`` its heads' columns
+and sums once over the ranks; ``q_a_proj``, ``kv_a_proj_with_mqa`` and their norms are replicated, so every rank
+writes the same whole latent into its own cache and attends over it with its heads only.
 """
 from __future__ import annotations
+
+from dataclasses import replace
 
 import torch
 from torch import nn
@@ -25,7 +32,7 @@ from armillary.layers import (
     RowParallelLinear,
 )
 from armillary.layers.quantization.unquantized import UnquantizedLinearMethod
-from armillary.parallel import get_parallel
+from armillary.parallel import get_parallel, use_parallel
 from armillary_glm_flash.config import GlmFlashConfig
 from armillary_glm_flash.ops import norm_gemv
 from armillary_glm_flash.ops.mla.absorb import mla_absorb, mla_absorb_rope_store
@@ -48,16 +55,20 @@ class LatentAttention(nn.Module):
         heads = cfg.num_attention_heads
         qk = self.nope + self.rope
         kv_a = self.kv_lora_rank + self.rope
-        # one GEMM for both down-projections of x when they are whole on this rank (no tensor parallelism)
-        self.fused_a = self.q_lora_rank is not None and get_parallel().tp_size == 1
+        par = get_parallel()
+        if heads % par.tp_size:  # a column split of q_b / kv_b rows would otherwise cut a head in two
+            raise ValueError(f"{heads} MLA attention heads do not split over tensor-parallel size {par.tp_size}: "
+                             "q_b_proj, kv_b_proj and o_proj are sharded by whole heads")
+        # one GEMM for both down-projections of x: [q_a_proj | kv_a_proj_with_mqa] rows (checkpoint_pieces). They
+        # are replicated under tensor parallelism (every rank needs the whole q latent and the whole kv latent: the
+        # latent cache is not split by heads), so the merged layer is built as on one rank
+        self.fused_a = self.q_lora_rank is not None
         if self.q_lora_rank is None:
             self.q_proj = ColumnParallelLinear(hidden, heads * qk, False, prefix=f"{prefix}.q_proj")
         else:
-            if self.fused_a:  # rows [q_a_proj | kv_a_proj_with_mqa] (checkpoint_pieces)
+            with use_parallel(replace(par, tp_rank=0, tp_size=1)):
                 self.qkv_a_proj = MergedColumnParallelLinear(hidden, [self.q_lora_rank, kv_a], bias,
                                                              prefix=f"{prefix}.qkv_a_proj")
-            else:
-                self.q_a_proj = ReplicatedLinear(hidden, self.q_lora_rank, bias, prefix=f"{prefix}.q_a_proj")
             self.q_a_layernorm = RMSNorm(self.q_lora_rank, 1e-6)  # transformers' Glm4MoeLiteRMSNorm default eps
             self.q_b_proj = ColumnParallelLinear(self.q_lora_rank, heads * qk, False, prefix=f"{prefix}.q_b_proj")
         if not self.fused_a:
@@ -78,7 +89,8 @@ class LatentAttention(nn.Module):
         return [(f"qkv_a_proj.{attr}", tensor, {"shard_id": 0 if proj == "q_a_proj" else 1})]
 
     def absorbed_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(W_UK [H, nope, Dl], W_UV [H, v, Dl]): views of ``kv_b_proj.weight``, per head [nope rows | v rows]."""
+        """(W_UK [H, nope, Dl], W_UV [H, v, Dl]): views of ``kv_b_proj.weight``, per head [nope rows | v rows];
+        H is this rank's heads (the column-parallel rows it keeps), so the absorbed decode needs no other slicing."""
         w = self.kv_b_proj.weight.view(self.num_heads, self.nope + self.v_dim, self.kv_lora_rank)
         return w[:, : self.nope], w[:, self.nope:]
 

@@ -10,6 +10,7 @@ from armillary.forward_batch import ForwardBatch
 from armillary.hf_config import HFConfig
 from armillary.layers import LMHead
 from armillary.model_base import CausalLM
+from armillary.parallel import get_parallel
 from armillary_glm_flash.config import GlmFlashConfig
 from armillary_glm_flash.decoder import GlmFlashModel
 from armillary_glm_flash.mtp import MultiTokenPredictor
@@ -20,8 +21,13 @@ class Glm4MoeLiteForCausalLM(CausalLM):
     """Built as ``cls(hf_config)`` under ``torch.device(device)``, the model's default dtype, and the
     build contexts ``use_parallel`` / ``use_quant_config`` that the shared layers read."""
 
+    # MLA heads (q_b / kv_b column-, o_proj row-parallel), dense MLP widths, expert widths or whole experts and the
+    # vocabulary rows split; the down-projections, the router and the latent cache (whole on every rank) replicated
+    supports_tensor_parallel = True
+
     def __init__(self, hf_config: HFConfig) -> None:
         super().__init__()
+        self.world_size = get_parallel().world_size
         self.config = cfg = GlmFlashConfig.from_hf(self.text_config(hf_config))
         self.model = GlmFlashModel(cfg)
         self.lm_head = LMHead(cfg.hidden_size, cfg.vocab_size)
@@ -32,6 +38,8 @@ class Glm4MoeLiteForCausalLM(CausalLM):
 
     @classmethod
     def _latent(cls, hf_config: HFConfig) -> tuple[GlmFlashConfig, LatentAttention]:
+        """The same on every rank: the latent and its rope key are shared by all heads, so tensor parallelism
+        splits the heads that read it, never the cache itself."""
         cfg = GlmFlashConfig.from_hf(cls.text_config(hf_config))
         return cfg, LatentAttention(cfg.kv_lora_rank, cfg.qk_rope_head_dim)
 
@@ -52,6 +60,9 @@ class Glm4MoeLiteForCausalLM(CausalLM):
         """One MTP pass (see ``CausalLM.draft_forward``); ``batch.caches[0]`` is the MTP layer's latent cache."""
         if self.mtp is None:
             raise NotImplementedError("this checkpoint's config declares no MTP layer (num_nextn_predict_layers)")
+        if self.world_size > 1:  # the head is built (sharded like any layer) but its drafts are untested over ranks
+            raise NotImplementedError("the GLM MTP draft head does not run under tensor / expert parallelism yet "
+                                      "(issue 20: speculation over several ranks); serve it on one rank")
         return self.mtp.draft(batch, hidden, self.model.embed_tokens, self.model.rotary)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -31,4 +31,4 @@ def mamba_verify(mixer, projected: torch.Tensor, batch: ForwardBatch, conv_state
     y = verify_steps_ref(xbc, dt, mixer.conv1d.weight[:, 0], mixer.conv1d.bias, -torch.exp(mixer.A_log), mixer.D,
                          mixer.dt_bias, mixer.dt_min, conv_states, ssm_states, batch.state_slots, rows, mixer.heads,
                          mixer.head_dim)  # [B (K+1), H, P] fp32
-    return mixer.norm(y.reshape(-1, mixer.d_inner), z.contiguous()).to(projected.dtype)
+    return mixer.gated_norm(y.reshape(-1, mixer.d_inner), z).to(projected.dtype)

@@ -21,8 +21,10 @@ from armillary.forward_batch import ForwardBatch
 from armillary.hf_config import HFConfig
 from armillary.layers import CheckpointLoader, LMHead, RMSNorm, VocabEmbedding
 from armillary.model_base import CausalLM
+from armillary.parallel import get_parallel
 from armillary_nemotron.block import NemotronHBlock
 from armillary_nemotron.config import ATTENTION, MAMBA, NemotronHArgs
+from armillary_nemotron.mamba_shard import mamba_shard
 from armillary_nemotron.mtp import NemotronHMTP, mtp_cache_layout, mtp_unsupported
 
 logger = logging.getLogger(__name__)
@@ -54,6 +56,10 @@ class NemotronHBackbone(nn.Module):
 class NemotronHForCausalLM(CausalLM):
     """Built as ``cls(hf_config)`` under the target device and dtype (see ``armillary.model_base``)."""
 
+    # Mamba heads (their groups, conv channels, states), attention heads, MLP / expert widths or whole experts
+    # and the vocabulary rows split; the router is replicated (mamba_shard.py, attention.py, moe.py)
+    supports_tensor_parallel = True
+
     def __init__(self, hf_config: HFConfig) -> None:
         super().__init__()
         self.config = NemotronHArgs.parse(hf_config)
@@ -68,10 +74,11 @@ class NemotronHForCausalLM(CausalLM):
     @classmethod
     def cache_layout(cls, hf_config: HFConfig) -> list[LayerCacheSpec | None]:
         cfg = NemotronHArgs.parse(hf_config)
-        mamba = Recurrent(shapes=((cfg.conv_dim, cfg.conv_kernel - 1), (cfg.mamba_heads, cfg.mamba_head_dim,
-                                                                         cfg.state_size)),
+        shard = mamba_shard(cfg)  # this rank's heads and groups (inside use_parallel)
+        mamba = Recurrent(shapes=((shard.conv_dim, cfg.conv_kernel - 1), (shard.heads, cfg.mamba_head_dim,
+                                                                           cfg.state_size)),
                           dtypes=(None, ssm_state_dtype(hf_config)))
-        attention = FullAttention(cfg.num_kv_heads, cfg.head_dim)
+        attention = FullAttention(get_parallel().kv_heads(cfg.num_kv_heads), cfg.head_dim)
         return [mamba if k == MAMBA else attention if k == ATTENTION else None for k in cfg.kinds]
 
     @classmethod

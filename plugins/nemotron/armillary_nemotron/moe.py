@@ -18,6 +18,7 @@ from armillary.kernels import ops
 from armillary.kernels.activation import get_activation
 from armillary.layers import ColumnParallelLinear, FusedMoE, RowParallelLinear
 from armillary.layers.collectives import all_reduce
+from armillary.parallel import get_parallel
 from armillary_nemotron.config import NemotronHArgs
 
 _SHARED = re.compile(r"shared_experts\.(?P<proj>up|down)_proj\.(?P<attr>.+)")
@@ -62,6 +63,7 @@ class NemotronHMoE(nn.Module):
         self.top_k, self.renormalize = cfg.top_k, cfg.norm_topk_prob
         self.scaling, self.n_group, self.topk_group = cfg.routed_scaling_factor, cfg.n_group, cfg.topk_group
         self.num_experts, self.inter = cfg.num_experts, cfg.moe_intermediate_size
+        self.tp_size = get_parallel().tp_size  # the separate shared expert's split (the experts' is 1 under EP)
         shared = cfg.shared_intermediate_size  # one shared MLP of this width, whatever n_shared_experts says
         stackable = shared and shared % self.inter == 0 and not cfg.mlp_bias  # routed experts have no bias
         self.num_pseudo = shared // self.inter if stackable else 0
@@ -101,5 +103,8 @@ class NemotronHMoE(nn.Module):
         out = self.experts(x, weights, ids)
         if self.shared_experts is None:
             return out
-        out = all_reduce(out, self.experts.ep_size, "ep") + self.shared_experts(x)
-        return all_reduce(out, self.experts.tp_size, "tp")
+        shared = self.shared_experts(x)  # partial over the TP ranks (whole at TP 1)
+        if self.experts.ep_size > 1 and self.tp_size > 1:  # experts and shared width split over the same ranks
+            return all_reduce(out + shared, self.tp_size, "tp")
+        out = all_reduce(out, self.experts.ep_size, "ep") + shared
+        return all_reduce(out, self.tp_size, "tp")

@@ -20,6 +20,7 @@ from torch import nn
 from armillary.cache_spec import FullAttention, LayerCacheSpec
 from armillary.forward_batch import ForwardBatch
 from armillary.layers import ReplicatedLinear, RMSNorm, VocabEmbedding
+from armillary.parallel import get_parallel
 from armillary_nemotron.block import NemotronHBlock
 from armillary_nemotron.config import ATTENTION, MAMBA, NemotronHArgs
 
@@ -38,7 +39,7 @@ def mtp_unsupported(cfg: NemotronHArgs) -> str | None:
 
 def mtp_cache_layout(cfg: NemotronHArgs) -> list[LayerCacheSpec | None]:
     """Per MTP sublayer: a KV cache for attention, nothing for MoE / MLP."""
-    attention = FullAttention(cfg.num_kv_heads, cfg.head_dim)
+    attention = FullAttention(get_parallel().kv_heads(cfg.num_kv_heads), cfg.head_dim)  # this rank's heads
     return [attention if k == ATTENTION else None for k in cfg.mtp_kinds]
 
 
