@@ -145,14 +145,17 @@ class LLMEngine:
     def _make_worker(self, model_cls, quant) -> Worker:
         """One ``ModelWorker`` on this device, or with several ranks rank 0's inside ``RankedWorkers``."""
         args = (model_cls, self.hf_config, self.source, self.device, self.dtype, self.max_model_len)
+        from armillary.worker.ranks import RankedWorkers, check_launched_world, launched_rank
+
+        launched = launched_rank()
+        if launched is not None:  # a launcher's world runs one model over all of it
+            check_launched_world(self.config, launched)
         if self.config.world_size == 1:
             return ModelWorker(self.config, *args, quant=quant, structured=self.structured)
         if not model_cls.supports_tensor_parallel:
             raise ValueError(f"tensor_parallel_size {self.config.tensor_parallel_size}, expert_parallel_size "
                              f"{self.config.expert_parallel_size}: the {self.arch.name} model does not shard its "
                              f"layers yet (issue 20); run it on one rank")
-        from armillary.worker.ranks import RankedWorkers
-
         return RankedWorkers(self.config, self.registry, *args, quant=quant, structured=self.structured)
 
     def _load_tokenizer(self):

@@ -16,10 +16,23 @@ _SAMPLING_DEFAULTS = ("temperature", "top_p", "top_k", "min_p", "repetition_pena
 
 
 class LLM:
-    """Runs prompts to completion in one call, batching them through the engine."""
+    """Runs prompts to completion in one call, batching them through the engine.
+
+    Under torchrun (``worker.ranks.launched_rank``) every process builds an ``LLM`` with the same arguments: rank 0's
+    is the engine, and on the other ranks the constructor follows rank 0 until it shuts down, then exits the
+    process (``SystemExit(0)``): only rank 0 runs the rest of the script."""
 
     def __init__(self, model: str, registry: PluginRegistry | None = None, **engine_args: Any) -> None:
-        self.engine = LLMEngine(EngineConfig(model=model, **engine_args), registry=registry)
+        config = EngineConfig(model=model, **engine_args)
+        from armillary.worker.ranks import follow_rank_zero, launched_rank
+
+        launched = launched_rank()
+        if launched is not None and launched.rank > 0:
+            from armillary.registry import default_registry
+
+            follow_rank_zero(config, registry or default_registry())
+            raise SystemExit(0)
+        self.engine = LLMEngine(config, registry=registry)
         self._ids = itertools.count()
 
     def get_tokenizer(self):

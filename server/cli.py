@@ -141,6 +141,11 @@ def _cors(args: argparse.Namespace):
 def run_serve(args: argparse.Namespace) -> int:
     _setup_logging(args.log_level)
     model = args.model_option or args.model_positional or "the default model"
+    from armillary.worker.ranks import launched_rank
+
+    launched = launched_rank()
+    if launched is not None and launched.rank > 0:  # under torchrun only rank 0 serves HTTP
+        return _follow(args, launched.rank)
     try:  # everything a user can get wrong is found here, in a second, before anything loads
         _check_server_flags(args)
         sock = bind_listening_socket(args.host, args.port)
@@ -150,6 +155,23 @@ def run_serve(args: argparse.Namespace) -> int:
         return _serve(args, sock)
     finally:
         sock.close()
+
+
+def _follow(args: argparse.Namespace, rank: int) -> int:
+    """A launched rank above 0: its shard of the model, following rank 0's engine until rank 0 stops."""
+    from armillary.worker.ranks import follow_rank_zero
+
+    model = args.model_option or args.model_positional
+    try:
+        registry = default_registry()
+        model = model or registry.hook.armillary_default_model()
+        config = engine_config(args, model)
+        _validate(config)
+        log.info("rank %d: following rank 0 (it serves HTTP)", rank)
+        follow_rank_zero(config, registry)
+    except Exception as exc:
+        return _report(f"{model or 'the default model'} (rank {rank})", exc)
+    return 0
 
 
 def _serve(args: argparse.Namespace, sock) -> int:

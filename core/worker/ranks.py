@@ -1,5 +1,5 @@
-"""Tensor and expert parallelism over processes on one host: rank 0's worker in the engine's process, ranks 1..
-spawned, every step's plan broadcast from rank 0.
+"""Tensor and expert parallelism over processes: rank 0's worker in the engine's process, ranks 1.. spawned on
+this host or started by a launcher (torchrun, across hosts), every step's plan broadcast from rank 0.
 
 ``RankedWorkers`` is the ``Worker`` the engine drives when ``world_size`` (the larger of the tensor- and the
 expert-parallel size: both groups are all the processes) is above 1. Rank r builds the model inside
@@ -12,6 +12,12 @@ smallest any rank measured, the memory plan is rank 0's. A step's plan travels w
 meet, and their sampled tokens are never read. A rank that fails reports its traceback on a queue and exits;
 rank 0 checks the ranks before each command and turns a failed or timed-out collective into ``RankFailed``
 naming the rank.
+
+Under a launcher (``launched_rank``: RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT set, as torchrun does, with a
+world above 1) every process runs the same command: rank 0 builds the engine (and serves HTTP), its
+``RankedWorkers`` joins the group through ``env://`` and spawns nothing, and the others call
+``follow_rank_zero``, which builds their shard on ``cuda:LOCAL_RANK`` (or the CPU) and follows rank 0 until it
+stops. A lost launched rank shows as a collective past ``distributed_timeout_s`` (there is no exit code to read).
 """
 from __future__ import annotations
 
@@ -21,7 +27,7 @@ import queue
 import shutil
 import tempfile
 import traceback
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from datetime import timedelta
 
 import torch
@@ -46,6 +52,35 @@ _HOST_ONLY = ("thinking", "generator", "logprobs")  # Sequence fields only the d
 
 class RankFailed(RuntimeError):
     """A rank exited, raised, or did not answer within ``distributed_timeout_s``."""
+
+
+@dataclass(frozen=True, slots=True)
+class LaunchedRank:
+    """This process's place among those a launcher started: global rank, world size, rank on its host."""
+
+    rank: int
+    world: int
+    local_rank: int
+
+
+def launched_rank() -> LaunchedRank | None:
+    """Where a launcher (torchrun) started this process as one of several: RANK, WORLD_SIZE, MASTER_ADDR and
+    MASTER_PORT set and the world above 1; else None."""
+    env = os.environ
+    if not all(env.get(k) for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")):
+        return None
+    world = int(env["WORLD_SIZE"])
+    if world <= 1:
+        return None
+    return LaunchedRank(int(env["RANK"]), world, int(env.get("LOCAL_RANK", env["RANK"])))
+
+
+def check_launched_world(config, launched: LaunchedRank) -> None:
+    """The launcher's world must be the engine's ranks: max(tensor-, expert-parallel size)."""
+    if launched.world != config.world_size:
+        raise ValueError(f"the launcher started {launched.world} processes (WORLD_SIZE) but tensor_parallel_size "
+                         f"{config.tensor_parallel_size} / expert_parallel_size {config.expert_parallel_size} make "
+                         f"{config.world_size} ranks: give --tp-size / --ep-size for {launched.world}")
 
 
 def rank_context(rank: int, tp: int, ep: int) -> ParallelContext:
@@ -95,17 +130,27 @@ class RankedWorkers(Worker):
         self.world = config.world_size
         self.timeout_s = config.distributed_timeout_s
         self._dir = tempfile.mkdtemp(prefix="armillary-tp-")
-        init = "file://" + os.path.join(self._dir, "rendezvous")
-        ctx = mp.get_context("spawn")  # a fresh interpreter per rank: no forked CUDA or Triton state
-        self.errors = ctx.Queue()
         self.reported: dict[int, str] = {}
-        self.procs = [ctx.Process(target=_rank_main, name=f"armillary-tp{rank}", daemon=True,
-                                  args=(rank, self.world, init, config, registry.recipe(), max_model_len, self.errors))
-                      for rank in range(1, self.world)]
+        launched = launched_rank()
+        if launched is not None:  # the launcher started every rank; the others wait in follow_rank_zero
+            check_launched_world(config, launched)
+            if launched.rank != 0:
+                raise ValueError(f"rank {launched.rank} builds no engine: it runs follow_rank_zero")
+            init, self.errors, self.procs = "env://", None, []
+        else:
+            init = "file://" + os.path.join(self._dir, "rendezvous")
+            ctx = mp.get_context("spawn")  # a fresh interpreter per rank: no forked CUDA or Triton state
+            self.errors = ctx.Queue()
+            self.procs = [ctx.Process(target=_rank_main, name=f"armillary-tp{rank}", daemon=True,
+                                      args=(rank, self.world, init, config, registry.recipe(), max_model_len,
+                                            self.errors))
+                          for rank in range(1, self.world)]
         for proc in self.procs:
             proc.start()
         try:
             self.control = init_groups(0, self.world, init, device, self.timeout_s)
+            if launched is not None:  # what the followers cannot work out alone
+                dist.broadcast_object_list([max_model_len], src=0, group=self.control)
         except Exception as exc:
             failure = self._failure(exc)
             self.close(graceful=False)
@@ -157,7 +202,7 @@ class RankedWorkers(Worker):
     def close(self, graceful: bool = True) -> None:
         """Stop the other ranks (a stop command unless not ``graceful``, then terminate what still runs) and
         leave the groups."""
-        if graceful and any(p.is_alive() for p in self.procs) and dist.is_initialized():
+        if graceful and (any(p.is_alive() for p in self.procs) or self.errors is None) and dist.is_initialized():
             try:
                 self._send(STOP)
             except RankFailed:
@@ -200,7 +245,7 @@ class RankedWorkers(Worker):
             raise self._failure(None, dead)
 
     def _failure(self, exc: Exception | None, dead: list[tuple[int, int | None]] | None = None) -> RankFailed:
-        while True:
+        while self.errors is not None:
             try:
                 rank, text = self.errors.get_nowait()
             except queue.Empty:
@@ -214,38 +259,67 @@ class RankedWorkers(Worker):
 
 
 def _rank_main(rank: int, world: int, init: str, config, recipe, max_model_len: int, errors) -> None:
-    """Rank ``rank``'s process: build what the engine built for rank 0, then follow rank 0's commands."""
+    """Rank ``rank``'s spawned process: build what the engine built for rank 0, then follow rank 0's commands."""
     try:
-        from armillary.kernels import ops
-        from armillary.kernels.dispatch import resolve_dispatch
-        from armillary.layers.quantization import resolve_quant_config
-        from armillary.model_files import checkpoint_dtype
-        from armillary.model_source import open_model_source
         from armillary.registry import PluginRegistry
-        from armillary.warmup import configure_compile_cache
 
         torch.set_num_threads(max(1, torch.get_num_threads() // world))  # the ranks share the host's cores
-        configure_compile_cache()
-        registry = PluginRegistry.from_recipe(recipe)
-        registry.hook.armillary_startup(config=config)
-        source = open_model_source(config.model, config.revision, registry, config)
-        hf_config = source.hf_config()
-        arch = registry.resolve_architecture(list(getattr(hf_config, "architectures", None) or []))
-        device = rank_device(config.torch_device(), rank)
-        ops.install(resolve_dispatch(registry, arch.name, device, config.kernel_backend))
-        quant = resolve_quant_config(hf_config, registry, config.quantization)
-        control = init_groups(rank, world, init, device, config.distributed_timeout_s)
-        worker = ModelWorker(config, arch.load(), hf_config, source, device,
-                             config.torch_dtype(checkpoint_dtype(hf_config)), max_model_len,
-                             parallel=rank_context(rank, config.tensor_parallel_size, config.expert_parallel_size),
-                             quant=quant)
-        _follow(worker, control, world)
+        parts = _rank_parts(config, PluginRegistry.from_recipe(recipe), rank_device(config.torch_device(), rank))
+        control = init_groups(rank, world, init, parts[-1], config.distributed_timeout_s)
+        _follow(_rank_worker(config, rank, max_model_len, *parts), control, world)
     except BaseException:
         errors.put((rank, traceback.format_exc()))
         raise SystemExit(1) from None
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def follow_rank_zero(config, registry) -> None:
+    """A launched rank above 0 (``launched_rank``): join rank 0's group, build this rank's shard as rank 0's engine
+    builds its own, and run rank 0's commands until it stops. Returns when rank 0 closes; raises on a failure."""
+    launched = launched_rank()
+    if launched is None or launched.rank == 0:
+        raise ValueError("follow_rank_zero is for ranks above 0 that a launcher (torchrun) started")
+    check_launched_world(config, launched)
+    device = config.torch_device()
+    if device.type == "cuda":
+        device = torch.device("cuda", launched.local_rank)
+    try:
+        parts = _rank_parts(config, registry, device)
+        control = init_groups(launched.rank, launched.world, "env://", device, config.distributed_timeout_s)
+        box = [None]
+        dist.broadcast_object_list(box, src=0, group=control)  # rank 0's max_model_len
+        _follow(_rank_worker(config, launched.rank, box[0], *parts), control, launched.world)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _rank_parts(config, registry, device: torch.device) -> tuple:
+    """(source, hf_config, architecture, quant config, device) of a rank other than 0, as rank 0's engine found
+    them, with the kernel dispatch installed."""
+    from armillary.kernels import ops
+    from armillary.kernels.dispatch import resolve_dispatch
+    from armillary.layers.quantization import resolve_quant_config
+    from armillary.model_source import open_model_source
+    from armillary.warmup import configure_compile_cache
+
+    configure_compile_cache()
+    registry.hook.armillary_startup(config=config)
+    source = open_model_source(config.model, config.revision, registry, config)
+    hf_config = source.hf_config()
+    arch = registry.resolve_architecture(list(getattr(hf_config, "architectures", None) or []))
+    ops.install(resolve_dispatch(registry, arch.name, device, config.kernel_backend))
+    return source, hf_config, arch, resolve_quant_config(hf_config, registry, config.quantization), device
+
+
+def _rank_worker(config, rank: int, max_model_len: int, source, hf_config, arch, quant, device) -> ModelWorker:
+    from armillary.model_files import checkpoint_dtype
+
+    return ModelWorker(config, arch.load(), hf_config, source, device, config.torch_dtype(checkpoint_dtype(hf_config)),
+                       max_model_len, parallel=rank_context(rank, config.tensor_parallel_size,
+                                                            config.expert_parallel_size), quant=quant)
 
 
 def _follow(worker: ModelWorker, control, world: int) -> None:
