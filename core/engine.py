@@ -16,7 +16,7 @@ from armillary.errors import InvalidRequestError
 from armillary.kernels import ops
 from armillary.kernels.dispatch import resolve_dispatch
 from armillary.layers.quantization import resolve_quant_config
-from armillary.layers.quantization.kv_cache import apply_kv_scales, fp8_kv_layout
+from armillary.layers.quantization.kv_cache import fp8_kv_layout
 from armillary.memory.coordinator import CacheCoordinator
 from armillary.memory.planner import MemoryPlan, auto_snapshot_rows, blocks_per_sequence, bytes_per_slot, plan_memory
 from armillary.model_files import checkpoint_dtype
@@ -87,8 +87,8 @@ class LLMEngine:
             layout = layout + model_cls.draft_cache_layout(self.hf_config)  # the draft head's own caches
         self.plan = self._plan_memory(layout, self.worker.cache_budget(layout))
         self.worker.init_caches(layout, self.plan, num_drafts=self.num_drafts, main_layers=main_layers)
-        apply_kv_scales(self.worker.caches, self.worker.model, layout, config.fp8_kv_calibration_tokens,
-                        text_config.vocab_size, config.block_size, self.dtype)
+        self.worker.apply_kv_scales(layout, config.fp8_kv_calibration_tokens, text_config.vocab_size,
+                                    config.block_size, self.dtype)
         log.info("memory plan: %s", self.plan.describe())
         self._init_bookkeeping()
         if config.warmup:

@@ -2,8 +2,7 @@
 
 Engine flags default to None so that ``EngineConfig`` keeps its own defaults; ``engine_config``
 turns the parsed flags into an ``EngineConfig``. A combination of flags not built yet (speculation
-or an fp8 KV cache over several ranks) is refused by ``EngineConfig.validate`` naming its issue, never
-ignored.
+over several ranks) is refused by ``EngineConfig.validate`` naming its issue, never ignored.
 """
 from __future__ import annotations
 

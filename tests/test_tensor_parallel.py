@@ -1,7 +1,8 @@
 """Tensor parallelism through the engine on the CPU (gloo, one process per rank): a tiny random Llama at TP = 2 gives
 the greedy tokens and logprobs of one process over 32 steps, with replicated key-value heads and a tied head over an
 odd vocabulary (split by rows) too, and under forced preemption; each rank holds its shard; a rank killed mid-run ends the engine with an error naming it, within the
-timeout; a model that does not shard is refused naming the issue."""
+timeout; a model that does not shard is refused naming the issue; a calibrated fp8 KV cache over two ranks equals
+one process."""
 from __future__ import annotations
 
 import time
@@ -130,3 +131,22 @@ def test_the_plan_travels_without_host_only_fields():
     assert sent.zero_slots == [2] and seq.thinking is not None  # the driver's sequence is untouched
     with pytest.raises(ValueError, match="still on the device"):
         portable_plan(StepPlan(plan.chunks, input_tokens=torch.zeros(1, dtype=torch.long)))
+
+
+def test_an_fp8_kv_cache_over_two_ranks_equals_one_process(tmp_path):
+    """Calibrated scales: each rank measures its own key-value heads and every rank takes the largest, so the two
+    ranks quantize their caches as one process does and give its greedy tokens."""
+    _save_llama(tmp_path, 2)
+    fp8 = dict(kv_cache_dtype="fp8", kv_high_precision_layers="0", fp8_kv_calibration_tokens=48)
+    results, scales = [], []
+    for tp in (1, 2):
+        llm = make_llm(tmp_path, tp, **fp8)
+        try:
+            results.append(run(llm))
+            caches = [c for c in llm.engine.worker.caches if c is not None]
+            assert all(c.k.dtype == torch.float8_e4m3fn for c in caches)
+            scales.append([s for c in caches for s in (c.k_scale.item(), c.v_scale.item())])
+        finally:
+            llm.engine.shutdown()
+    assert results[1][0] == results[0][0]
+    assert len(scales[0]) == 4 and scales[1] == pytest.approx(scales[0], rel=1e-5)

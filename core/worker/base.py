@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 
+import torch
+
 from armillary.cache_spec import LayerCacheSpec
 from armillary.memory.planner import MemoryPlan
 from armillary.model_base import CausalLM
@@ -16,7 +18,8 @@ class Worker(ABC):
 
     The engine calls, in order: ``load_model()``; ``cache_budget(layout)`` (bytes this device can
     give the caches, measured after the weights and a warm-up forward); ``init_caches(layout, plan)``
-    with the one plan made from every worker's budget; then ``launch(plan)`` once per step. Workers
+    with the one plan made from every worker's budget; ``apply_kv_scales``; then ``launch(plan)`` once
+    per step. Workers
     decide nothing about scheduling: a ``StepPlan`` says what to compute, the worker executes its
     cache operations, forward and sampling, and hands back a ``LaunchedStep`` whose ``wait()``
     gives the host ``StepOutput`` (the driver rank's; other ranks return theirs unread). Tensor
@@ -40,6 +43,12 @@ class Worker(ABC):
 
         ``num_drafts`` > 0: speculation is on; ``layout[main_layers:]`` are the draft head's layers.
         """
+
+    @abstractmethod
+    def apply_kv_scales(self, layout: list[LayerCacheSpec | None], calibration_tokens: int, vocab_size: int,
+                        block_size: int, dtype: torch.dtype) -> str:
+        """Fill the fp8 KV caches' scales (``kv_cache.apply_kv_scales``: the checkpoint's, else calibrated, else
+        1.0), the same on every rank; returns where they came from."""
 
     @abstractmethod
     def launch(self, plan: StepPlan) -> LaunchedStep:

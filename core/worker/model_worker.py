@@ -12,6 +12,7 @@ from armillary.cuda_graphs import CUDAGraphDecoder
 from armillary.hf_config import HFConfig
 from armillary.layers import process_weights_after_loading
 from armillary.layers.quantization import QuantConfig, get_quant_config, use_quant_config
+from armillary.layers.quantization.kv_cache import apply_kv_scales
 from armillary.memory.planner import GiB, MemoryPlan, allocate_caches, cuda_cache_budget, plan_memory
 from armillary.model_base import CausalLM
 from armillary.model_runner import LaunchedStep, ModelRunner
@@ -144,6 +145,21 @@ class ModelWorker(Worker):
                                   graphs, structured=self.structured, states=self.states, num_groups=num_groups,
                                   speculative=speculative, proposer=proposer)
         self.runner.spec_graphs = spec_graphs
+
+    def apply_kv_scales(self, layout: list[LayerCacheSpec | None], calibration_tokens: int, vocab_size: int,
+                        block_size: int, dtype: torch.dtype) -> str:
+        source = apply_kv_scales(self.caches, self.model, layout, calibration_tokens, vocab_size, block_size, dtype)
+        scaled = [c for c in self.caches if c is not None and getattr(c, "k_scale", None) is not None]
+        if source == "calibrated" and scaled and self.parallel.world_size > 1:
+            # each rank measured its own heads: every rank takes the largest, as one process over all heads would
+            flat = torch.cat([t.reshape(-1).float() for c in scaled for t in (c.k_scale, c.v_scale)])
+            torch.distributed.all_reduce(flat, op=torch.distributed.ReduceOp.MAX)
+            at = 0
+            for c in scaled:
+                for t in (c.k_scale, c.v_scale):
+                    t.copy_(flat[at:at + t.numel()].view_as(t))
+                    at += t.numel()
+        return source
 
     def launch(self, plan: StepPlan) -> LaunchedStep:
         return self.runner.launch(plan)

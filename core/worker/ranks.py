@@ -46,7 +46,8 @@ from armillary.worker.base import Worker
 from armillary.worker.model_worker import ModelWorker
 
 log = logging.getLogger("armillary")
-STOP, LOAD, BUDGET, CACHES, LAUNCH = "stop", "load_model", "cache_budget", "init_caches", "launch"
+STOP, LOAD, BUDGET, CACHES, KV_SCALES, LAUNCH = ("stop", "load_model", "cache_budget", "init_caches", "kv_scales",
+                                                 "launch")
 _HOST_ONLY = ("thinking", "generator", "logprobs")  # Sequence fields only the driver's bookkeeping reads
 
 
@@ -195,6 +196,12 @@ class RankedWorkers(Worker):
         self._send(CACHES, (layout, plan, num_drafts, main_layers))
         self._run(lambda: self.local.init_caches(layout, plan, num_drafts, main_layers))
 
+    def apply_kv_scales(self, layout: list[LayerCacheSpec | None], calibration_tokens: int, vocab_size: int,
+                        block_size: int, dtype: torch.dtype) -> str:
+        args = (layout, calibration_tokens, vocab_size, block_size, dtype)
+        self._send(KV_SCALES, args)
+        return self._run(lambda: self.local.apply_kv_scales(*args))  # a calibration's forward runs on every rank
+
     def launch(self, plan: StepPlan) -> LaunchedStep:
         self._send(LAUNCH, portable_plan(plan))
         return self._run(lambda: self.local.launch(plan))
@@ -336,6 +343,8 @@ def _follow(worker: ModelWorker, control, world: int) -> None:
             dist.all_gather_object([None] * world, worker.cache_budget(payload), group=control)
         elif command == CACHES:
             worker.init_caches(*payload)
+        elif command == KV_SCALES:
+            worker.apply_kv_scales(*payload)
         elif command == LAUNCH:
             worker.launch(payload).wait()
         else:
