@@ -86,8 +86,6 @@ class EngineConfig:
         if ep > 1 and tp > 1 and ep != tp:
             raise ValueError(f"expert_parallel_size {ep} must be 1, the tensor_parallel_size ({tp}: the experts split "
                              f"over the same ranks), or run with tensor_parallel_size 1")
-        if self.world_size > 1 and self.speculative:
-            raise ValueError("speculative decoding over several ranks is not built yet (issue 20)")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], not {self.gpu_memory_utilization}")
         if not self.cpu_kv_cache_space_gb > 0:

@@ -1,8 +1,8 @@
 """The flags of ``armillary serve``, grouped as ``--help`` shows them, under vLLM's names with Atlas's as aliases.
 
 Engine flags default to None so that ``EngineConfig`` keeps its own defaults; ``engine_config``
-turns the parsed flags into an ``EngineConfig``. A combination of flags not built yet (speculation
-over several ranks) is refused by ``EngineConfig.validate`` naming its issue, never ignored.
+turns the parsed flags into an ``EngineConfig``. A combination of flags not built yet is refused by
+``EngineConfig.validate`` naming its issue, never ignored.
 """
 from __future__ import annotations
 

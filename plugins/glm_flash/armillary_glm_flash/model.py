@@ -10,7 +10,6 @@ from armillary.forward_batch import ForwardBatch
 from armillary.hf_config import HFConfig
 from armillary.layers import LMHead
 from armillary.model_base import CausalLM
-from armillary.parallel import get_parallel
 from armillary_glm_flash.config import GlmFlashConfig
 from armillary_glm_flash.decoder import GlmFlashModel
 from armillary_glm_flash.mtp import MultiTokenPredictor
@@ -27,7 +26,6 @@ class Glm4MoeLiteForCausalLM(CausalLM):
 
     def __init__(self, hf_config: HFConfig) -> None:
         super().__init__()
-        self.world_size = get_parallel().world_size
         self.config = cfg = GlmFlashConfig.from_hf(self.text_config(hf_config))
         self.model = GlmFlashModel(cfg)
         self.lm_head = LMHead(cfg.hidden_size, cfg.vocab_size)
@@ -60,9 +58,6 @@ class Glm4MoeLiteForCausalLM(CausalLM):
         """One MTP pass (see ``CausalLM.draft_forward``); ``batch.caches[0]`` is the MTP layer's latent cache."""
         if self.mtp is None:
             raise NotImplementedError("this checkpoint's config declares no MTP layer (num_nextn_predict_layers)")
-        if self.world_size > 1:  # the head is built (sharded like any layer) but its drafts are untested over ranks
-            raise NotImplementedError("the GLM MTP draft head does not run under tensor / expert parallelism yet "
-                                      "(issue 20: speculation over several ranks); serve it on one rank")
         return self.mtp.draft(batch, hidden, self.model.embed_tokens, self.model.rotary)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -29,15 +29,20 @@ MTP_ONLY = ("enorm.weight", "hnorm.weight", "eh_proj.weight", "shared_head.norm.
 @pytest.fixture(scope="module")
 def mtp_checkpoint(tmp_path_factory):
     """(directory, transformers' 4-layer model): its layer 3 is the MTP block, the MTP-only tensors random."""
+    return write_mtp_checkpoint(tmp_path_factory.mktemp("mtp"))
+
+
+def write_mtp_checkpoint(directory, **overrides):
+    """``mtp_checkpoint`` into ``directory``, CASES[0]'s config changed by ``overrides``."""
     torch.manual_seed(0)
-    base = dict(CASES[0].config, num_hidden_layers=4, mlp_layer_types=["dense", "sparse", "sparse", "sparse"])
+    base = dict(CASES[0].config, num_hidden_layers=4, mlp_layer_types=["dense", "sparse", "sparse", "sparse"],
+                **overrides)
     hf = tf.Glm4MoeLiteForCausalLM._from_config(tf.Glm4MoeLiteConfig(**base), attn_implementation="eager",
                                                 dtype=torch.float32).eval()
     with torch.no_grad():
         for name, p in hf.named_parameters():
             if name.endswith("norm.weight"):
                 p.add_(torch.randn_like(p) * 0.3)
-    directory = tmp_path_factory.mktemp("mtp")
     hf.save_pretrained(directory)
     tensors = load_file(str(directory / "model.safetensors"))
     hidden = base["hidden_size"]

@@ -2,8 +2,8 @@
 parallelism (MLA heads through q_b / kv_b / o_proj, dense MLP and expert widths, vocabulary rows split; the
 down-projections, the router and the whole latent cache on every rank), expert parallelism (half the routed
 experts, whole, per rank) and both over the same two ranks; greedy tokens identical and logits close over 32 steps,
-one prompt at a time and all at once; rank 0 holds only its shard. Without processes: heads that do not split and
-the MTP draft head over several ranks are refused."""
+one prompt at a time and all at once; rank 0 holds only its shard; MTP speculation (K = 2) over two ranks equals one
+process without it. Without processes: heads that do not split are refused."""
 from __future__ import annotations
 
 import pytest
@@ -14,8 +14,11 @@ from armillary.hf_config import HFConfig
 from armillary.parallel import ParallelContext, use_parallel
 from armillary.testing import LogitsRecorder, greedy_params, lazy_references
 from armillary_glm_flash.model import Glm4MoeLiteForCausalLM
-from plugins.glm_flash.tests.harness import glm_registry
-from plugins.glm_flash.tests.hf_models import CASES_BY_NAME, NEW_TOKENS, Case, make_reference
+from armillary.sampling_params import SamplingParams
+from plugins.glm_flash.tests.harness import build_engine, glm_registry
+from plugins.glm_flash.tests.hf_models import CASES_BY_NAME, NEW_TOKENS, Case, make_reference, prompts
+from plugins.glm_flash.tests.test_mtp import write_mtp_checkpoint
+from tests.fixtures.engine_runs import run_to_completion
 
 # the plugin's cases with four heads (three do not split in two): q_lora_rank with a fused down-projection, one shared
 # expert and a dense first layer; a full-rank q_proj, two shared experts, yarn and a tied head over an odd vocabulary
@@ -99,8 +102,16 @@ def test_heads_that_do_not_split_are_refused():
     _build_rank0(three_heads, tp=1, ep=2)  # attention stays whole under expert parallelism alone
 
 
-def test_mtp_draft_head_is_refused_over_ranks():
-    model = _build_rank0(dict(LORA.config, num_nextn_predict_layers=1), tp=2)
-    assert model.mtp is not None  # built and loaded like any layer, so the checkpoint's tensors are known
-    with pytest.raises(NotImplementedError, match="tensor / expert parallelism"):
-        model.draft_forward(None, torch.empty(0))
+def test_mtp_speculation_over_two_ranks_equals_no_speculation(tmp_path):
+    """The MTP layer's heads split like the model's; its drafts and the verify step run on both ranks in lockstep."""
+    write_mtp_checkpoint(tmp_path, **_FOUR_HEADS)
+    work = [(p, SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)) for p in prompts()]
+    args = dict(block_size=8, num_kv_blocks=128, max_num_seqs=8, distributed_timeout_s=60)
+    base = run_to_completion(build_engine(tmp_path, **args), work)
+    engine = build_engine(tmp_path, **args, tensor_parallel_size=2, speculative=True, num_drafts=2)
+    try:
+        assert engine.model.mtp is not None and engine.model.mtp.self_attn.num_heads == 2
+        assert run_to_completion(engine, work) == base
+        assert engine.stats()["num_verify_steps"] > 0
+    finally:
+        engine.shutdown()

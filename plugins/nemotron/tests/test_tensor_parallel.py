@@ -5,7 +5,7 @@ logits close over 32 steps, one prompt at a time and all at once; rank 0 holds i
 split over the ranks and one group replicated on both (its gated norm summed over them), a stacked and a separate
 shared expert, a dense relu² layer and a tied head. Without processes: which heads, groups, in_proj rows and conv
 channels a rank keeps, replicated groups at four ranks, a per-tensor fp8 scale in every in_proj slot, and the
-layouts refused."""
+layouts refused. MTP speculation (K = 2) over two ranks equals one process without it."""
 from __future__ import annotations
 
 import pytest
@@ -21,7 +21,11 @@ from armillary_nemotron.config import NemotronHArgs
 from armillary_nemotron.mamba_mixer import Mamba2Mixer
 from armillary_nemotron.mamba_shard import MambaInProj, MambaShard, mamba_shard
 from armillary_nemotron.model import NemotronHForCausalLM
-from plugins.nemotron.tests.hf_models import CASES_BY_NAME, NEW_TOKENS, make_reference, nemotron_registry
+from armillary.sampling_params import SamplingParams
+from armillary.testing import cpu_engine
+from plugins.nemotron.tests.hf_models import CASES_BY_NAME, NEW_TOKENS, make_reference, nemotron_registry, prompts
+from plugins.nemotron.tests.mtp_checkpoint import save_with_mtp
+from tests.fixtures.engine_runs import run_to_completion
 
 # (case, tp, ep): 2 groups split, stacked shared expert (TP widths, then EP with it on rank 0); 4 groups, a separate
 # shared expert and a dense layer (TP, and TP + EP: one sum of experts and shared expert); 1 group replicated, tied
@@ -148,3 +152,18 @@ def test_a_per_tensor_scaled_in_proj_keeps_its_one_scale_in_every_slot():
     assert in_proj.weight_scale.tolist() == [0.5] * 5 and in_proj.input_scale.tolist() == [0.25] * 5
     rows = [*range(8, 16), *range(24, 32), *range(35, 38), *range(41, 44), 46, 47]
     assert torch.equal(in_proj.weight.float(), weight[rows].float())
+
+
+def test_mtp_speculation_over_two_ranks_equals_no_speculation(tmp_path):
+    """An attention + MoE MTP head over two ranks: drafts and verify in lockstep, the Mamba states the plan commits."""
+    model_dir = save_with_mtp("ME*ME_groups2_chunk8", "*E", tmp_path).model_dir
+    work = [(p, SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)) for p in prompts()]
+    args = dict(block_size=8, num_kv_blocks=128, max_num_seqs=8, max_model_len=256, distributed_timeout_s=60)
+    base = run_to_completion(cpu_engine(model_dir, nemotron_registry(), **args), work)
+    engine = cpu_engine(model_dir, nemotron_registry(), **args, tensor_parallel_size=2, speculative=True, num_drafts=2)
+    try:
+        assert run_to_completion(engine, work) == base
+        assert engine.stats()["num_verify_steps"] > 0
+        engine.cache.check_accounting([])
+    finally:
+        engine.shutdown()

@@ -2,7 +2,8 @@
 parallelism (the Gated DeltaNet heads, conv channels and states, the attention heads and the expert widths split),
 expert parallelism (half the experts, whole, per rank) and both over the same two ranks; greedy tokens identical
 and logits close over 32 steps, one prompt at a time and all at once; fused and separate shared experts, a dense
-MLP; rank 0 holds its share of each."""
+MLP; rank 0 holds its share of each. MTP speculation (K = 2) over two ranks equals one process without it, through
+the checkpoint's head and through oracle drafts on rank 0 that make every accepted length happen."""
 from __future__ import annotations
 
 import pytest
@@ -10,8 +11,12 @@ import torch
 
 from armillary import LLM
 from armillary.testing import LogitsRecorder, greedy_params
-from plugins.qwen_gdn_moe.tests.harness import qwen_registry
-from plugins.qwen_gdn_moe.tests.hf_models import CASES_BY_NAME, make_reference
+from armillary.sampling_params import SamplingParams
+from plugins.qwen_gdn_moe.tests.harness import build_engine, qwen_registry
+from plugins.qwen_gdn_moe.tests.hf_models import CASES_BY_NAME, VOCAB, make_reference, prompts
+from plugins.qwen_gdn_moe.tests.mtp_checkpoint import save_with_mtp
+from tests.fixtures.engine_runs import run_to_completion
+from tests.fixtures.oracle_drafts import use_oracle_drafts
 
 # the cases whose head counts and widths split in two: separate and fused shared experts, dense MLPs, a tied head
 # with one (replicated) key-value head
@@ -63,3 +68,23 @@ def test_two_ranks_match_transformers(references, name, tp, ep):
     finally:
         llm.engine.shutdown()
     assert [o.outputs[0].token_ids for o in batch] == reference.tokens  # all four prompts in one batch
+
+
+@pytest.mark.parametrize("oracle", [False, True], ids=["mtp", "oracle"])
+def test_mtp_speculation_over_two_ranks_equals_no_speculation(tmp_path, oracle):
+    """Drafts, the verify step and the committed GDN states on both ranks in lockstep: rank 1 verifies rank 0's drafts
+    against the same gathered logits, and the plan commits the state rows rank 0 accepted."""
+    model_dir = save_with_mtp(CASES_BY_NAME["moe35_cg"], tmp_path)
+    work = [(p, SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)) for p in prompts()]
+    args = dict(block_size=8, num_kv_blocks=128, max_num_seqs=8, distributed_timeout_s=60)
+    base = run_to_completion(build_engine(model_dir, **args), work)
+    engine = build_engine(model_dir, **args, tensor_parallel_size=2, speculative=True, num_drafts=2)
+    try:
+        lengths = use_oracle_drafts(engine, prompts(), base, VOCAB) if oracle else None
+        assert run_to_completion(engine, work) == base
+        assert engine.stats()["num_verify_steps"] > 0
+        if oracle:
+            assert set(lengths) == {0, 1, 2}, lengths
+        engine.cache.check_accounting([])
+    finally:
+        engine.shutdown()
