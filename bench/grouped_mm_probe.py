@@ -4,9 +4,9 @@
 
 At the Qwen3.6-35B-A3B expert shape (257 × 2048 × 512 with the shared expert, k 9) and GLM-4.7-Flash's (65 ×
 2048 × 1536, k 5), bf16, random weights and routing: times core's ``fused_moe`` (the plugin's tables) and a
-pipeline of permute → ``_grouped_mm`` (gate | up) → SiLU · up → ``_grouped_mm`` (down) → un-permute → weighted
-sum (the GEMMs alone too), and tries the fp8 block-scaled grouped GEMM torch offers; prints µs, TFLOP/s and each
-output's error against core's. On the GPU only: a probe that decides whether a torch-grouped MoE path is worth
+pipeline of permute → ``_grouped_mm`` (gate | up) → SiLU · up → ``_grouped_mm`` (down) → un-permute →
+weighted sum (the GEMMs alone too), and tries the fp8 block-scaled grouped GEMM torch offers; prints µs, TFLOP/s
+and each output's error against core's. On the GPU only: a probe that decides whether a torch-grouped MoE path is worth
 building.
 """
 from __future__ import annotations
@@ -28,7 +28,8 @@ from armillary.kernels import tuning  # noqa: E402
 from armillary.kernels.activation import act_and_mul  # noqa: E402
 from armillary.kernels.triton import moe  # noqa: E402
 
-SHAPES = {"qwen": (257, 2048, 512, 9, 1, "armillary_qwen_gdn_moe"), "glm": (65, 2048, 1536, 5, 1, "armillary_glm_flash")}
+SHAPES = {"qwen": (257, 2048, 512, 9, 1, "armillary_qwen_gdn_moe"),
+          "glm": (65, 2048, 1536, 5, 1, "armillary_glm_flash")}
 
 
 def routed(tokens: int, experts: int, hidden: int, k: int, shared: int, seed: int = 1):
@@ -99,8 +100,8 @@ def main() -> None:
                 h = act_and_mul(up, "silu")
                 calls = {"core": lambda: moe.fused_moe(x, w13, w2, w, ids, "silu"),
                          "grouped_mm": lambda: grouped_mm_moe(x, w13t, w2t, w, ids, experts),
-                         "gemms_only": lambda: torch._grouped_mm(act_and_mul(torch._grouped_mm(xs, w13t, offs=ends), "silu"), w2t,
-                                                                     offs=ends),
+                         "gemms_only": lambda: torch._grouped_mm(
+                             act_and_mul(torch._grouped_mm(xs, w13t, offs=ends), "silu"), w2t, offs=ends),
                          "up_only": lambda: torch._grouped_mm(xs, w13t, offs=ends),
                          "down_only": lambda: torch._grouped_mm(h, w2t, offs=ends),
                          "permute": lambda: permutation(ids, experts)[0]}

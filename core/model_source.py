@@ -48,6 +48,11 @@ class ModelSource(ABC):
         (safetensors: prefetched, pinned and copied in); by default, the CPU tensors of ``iter_weights``."""
         return self.iter_weights(progress)
 
+    def weight_views(self) -> Iterator[tuple[str, torch.Tensor]] | None:
+        """``iter_weights`` as views that read only the part a loader keeps (``shard_reads.LazySlice``, for a rank of
+        several), or None where the format has none."""
+        return None
+
     @abstractmethod
     def tokenizer(self) -> Tokenizer | None:
         """The tokenizer shipped with the model, or None when it has none."""
@@ -75,6 +80,12 @@ class HFDirectory(ModelSource):
         from armillary.weights import iter_safetensors
 
         return iter_safetensors(self.path, progress=progress, device=device)
+
+    def weight_views(self) -> Iterator[tuple[str, torch.Tensor]]:
+        from armillary.shard_reads import lazy_safetensors
+        from armillary.weights import safetensors_shards
+
+        return lazy_safetensors(safetensors_shards(self.path))
 
     def tokenizer(self) -> Tokenizer | None:
         from armillary.tokenizer import Tokenizer
@@ -108,6 +119,9 @@ class ConfiguredSource(ModelSource):
 
     def weights_on(self, device: torch.device, progress: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
         return self.inner.weights_on(device, progress)
+
+    def weight_views(self) -> Iterator[tuple[str, torch.Tensor]] | None:
+        return self.inner.weight_views()
 
     def tokenizer(self) -> Tokenizer | None:
         from armillary.chat_template import load_chat_template

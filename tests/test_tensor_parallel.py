@@ -2,7 +2,7 @@
 the greedy tokens and logprobs of one process over 32 steps, with replicated key-value heads and a tied head over an
 odd vocabulary (split by rows) too, and under forced preemption; each rank holds its shard; a rank killed mid-run ends the engine with an error naming it, within the
 timeout; a model that does not shard is refused naming the issue; a calibrated fp8 KV cache over two ranks equals
-one process."""
+one process; rank 0 copies only its shard out of the files."""
 from __future__ import annotations
 
 import time
@@ -150,3 +150,20 @@ def test_an_fp8_kv_cache_over_two_ranks_equals_one_process(tmp_path):
             llm.engine.shutdown()
     assert results[1][0] == results[0][0]
     assert len(scales[0]) == 4 and scales[1] == pytest.approx(scales[0], rel=1e-5)
+
+
+def test_a_rank_copies_only_its_shard_out_of_the_files(tmp_path):
+    """Rank 0 of two gets the checkpoint's tensors as LazySlice views and copies out a little over half of the bytes
+    (its rows, columns and vocabulary rows; the norms and this Llama's replicated untied head whole: 0.56 here)."""
+    from armillary import shard_reads
+
+    _save_llama(tmp_path, 2)
+    total = sum(p.stat().st_size for p in tmp_path.glob("*.safetensors"))
+    before = shard_reads.BYTES_READ[0]
+    llm = make_llm(tmp_path, 2)
+    try:
+        read = shard_reads.BYTES_READ[0] - before
+        assert 0.5 * total < read < 0.6 * total, (read, total)
+        assert run(llm)[0] and not shard_reads._MAPS  # it runs, and the files are unmapped after the load
+    finally:
+        llm.engine.shutdown()

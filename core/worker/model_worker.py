@@ -25,6 +25,7 @@ from armillary.speculative.proposer import DraftProposer
 from armillary.speculative.step import SpeculativeConfig
 from armillary.step_plan import ScheduledChunk, StepPlan
 from armillary.structured.outputs import StructuredOutputs
+from armillary.shard_reads import BYTES_READ, close_maps
 from armillary.weights import fill_parameters
 from armillary.worker.base import Worker
 
@@ -78,12 +79,25 @@ class ModelWorker(Worker):
         if self.config.load_format == "dummy":
             self._init_dummy_weights()
         else:
-            fill_parameters(self.model, self.source.weights_on(self.device), str(self.source.path))
+            fill_parameters(self.model, self._weights(), str(self.source.path))
+            close_maps()
         process_weights_after_loading(self.model)  # quant methods repack what they loaded, once
         self.model.eval()
         if self.device.type == "cuda":
             fresh_peak(self.device)
         return self.model
+
+    def _weights(self):
+        """The checkpoint's tensors: streamed onto the device, or with several ranks the source's views
+        (``weight_views``), so this rank copies out only the slices its layers keep."""
+        views = self.source.weight_views() if self.parallel.world_size > 1 else None
+        if views is None:
+            yield from self.source.weights_on(self.device)
+            return
+        before = BYTES_READ[0]
+        yield from views
+        log.info("rank %d copied %.3g GB of its shard out of the checkpoint", self.parallel.rank,
+                 (BYTES_READ[0] - before) / 1e9)
 
     def _init_dummy_weights(self) -> None:
         gen = torch.Generator(device=self.device).manual_seed(self.config.seed)

@@ -2,16 +2,15 @@
 this host or started by a launcher (torchrun, across hosts), every step's plan broadcast from rank 0.
 
 ``RankedWorkers`` is the ``Worker`` the engine drives when ``world_size`` (the larger of the tensor- and the
-expert-parallel size: both groups are all the processes) is above 1. Rank r builds the model inside
-``use_parallel`` with tp_rank / ep_rank r (the shared layers keep their shard: each rank reads whole checkpoint
-tensors and keeps its slices) on
-``cuda:r`` (NCCL for the model's collectives) or the CPU (gloo). The ranks follow rank 0 through one gloo control
-group: each ``Worker`` call is broadcast as (command, payload) and every rank runs it; the cache budget is the
-smallest any rank measured, the memory plan is rank 0's. A step's plan travels with host-only fields stripped
-(thinking budgets, generators, logprobs); the other ranks compute the same forward, so the all-reduces inside it
-meet, and their sampled tokens are never read. A rank that fails reports its traceback on a queue and exits;
-rank 0 checks the ranks before each command and turns a failed or timed-out collective into ``RankFailed``
-naming the rank.
+expert-parallel size: both groups are all the processes) is above 1. Rank r builds the model inside ``use_parallel``
+with tp_rank / ep_rank r (the shared layers keep their shard; its loaders get the checkpoint as
+``shard_reads.LazySlice`` views and copy out only their slices) on ``cuda:r`` (NCCL for the model's collectives) or
+the CPU (gloo). The ranks follow rank 0 through one gloo control group: each ``Worker`` call is broadcast as
+(command, payload) and every rank runs it; the cache budget is the smallest any rank measured, the memory plan is
+rank 0's. A step's plan travels with host-only fields stripped (thinking budgets, generators, logprobs); the other
+ranks compute the same forward, so the all-reduces inside it meet, and their sampled tokens are never read. A rank
+that fails reports its traceback on a queue and exits; rank 0 checks the ranks before each command and turns a
+failed or timed-out collective into ``RankFailed`` naming the rank.
 
 Under a launcher (``launched_rank``: RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT set, as torchrun does, with a
 world above 1) every process runs the same command: rank 0 builds the engine (and serves HTTP), its
