@@ -3,6 +3,7 @@ tokens of one process while rank 1 follows and exits cleanly; a launcher's world
 ``armillary serve`` on a rank above 0 follows rank 0 and binds no port; the launcher's variables are read right."""
 from __future__ import annotations
 
+import argparse
 import json
 import subprocess
 import sys
@@ -10,6 +11,7 @@ import textwrap
 
 import pytest
 
+from armillary.testing import greedy_params
 from armillary.worker import ranks
 from tests.test_tensor_parallel import _save_llama, make_llm
 
@@ -52,16 +54,10 @@ def test_torchrun_two_ranks_equal_one_process(model_dir, tmp_path):
     single = make_llm(model_dir, 1)
     try:
         want = [o.outputs[0].token_ids for o in single.generate(
-            [{"prompt_token_ids": p} for p in PROMPTS], ranks_params())]
+            [{"prompt_token_ids": p} for p in PROMPTS], greedy_params(16))]
     finally:
         single.shutdown()
     assert json.loads(out.read_text()) == want
-
-
-def ranks_params():
-    from armillary import SamplingParams
-
-    return SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
 
 
 def test_launcher_variables(monkeypatch):
@@ -97,8 +93,6 @@ def test_serve_on_a_rank_above_zero_follows_and_binds_nothing(model_dir, monkeyp
         raise AssertionError("a following rank must not bind the port")
 
     monkeypatch.setattr(server_cli, "bind_listening_socket", no_bind)
-    import argparse
-
     parser = argparse.ArgumentParser()
     add_serve_args(parser)
     args = parser.parse_args([str(model_dir), "--tp-size", "2", "--device", "cpu", "--port", "8123"])

@@ -19,7 +19,8 @@ model to transformers the same way without importing each other. The contract:
 - **Comparisons raise ``AssertionError``** with the step and the error named, so pytest reports
   them as failures: ``assert_logits_close`` (max |diff| within ``tol`` x max |logit|),
   ``max_relative_error``, ``assert_greedy_matches`` (tokens exact, top-5 log-probabilities within
-  ``atol``), and on a ``StepHarness`` ``assert_stepwise_greedy`` (each prompt alone) and
+  ``atol``), ``assert_reference_run`` (a ``Reference``'s prompts batched and alone: tokens exact, every logits
+  row within ``tol``), and on a ``StepHarness`` ``assert_stepwise_greedy`` (each prompt alone) and
   ``assert_batched_greedy`` (all prompts in one batch): every step's logits through the suite's own
   check, then the greedy tokens exact. Tolerances are the caller's: each suite states its own.
 - Checkpoint rewrites for loader tests: ``read_checkpoint`` / ``write_checkpoint`` (one-shard
@@ -36,6 +37,7 @@ from armillary.testing.compare import (
     assert_batched_greedy,
     assert_greedy_matches,
     assert_logits_close,
+    assert_reference_run,
     assert_stepwise_greedy,
     max_relative_error,
 )
@@ -60,7 +62,7 @@ from armillary.testing.reference import (
 
 __all__ = [
     "LogitsRecorder", "Reference", "StepHarness", "assert_batched_greedy", "assert_greedy_matches",
-    "assert_logits_close", "assert_stepwise_greedy", "cpu_engine", "greedy_params", "greedy_reference", "hf_greedy",
+    "assert_logits_close", "assert_reference_run", "assert_stepwise_greedy", "cpu_engine", "greedy_params", "greedy_reference", "hf_greedy",
     "lazy_references", "max_relative_error", "paged_batch", "plugin_registry", "read_checkpoint", "run_staggered",
     "swap_expert_layout", "write_checkpoint",
 ]

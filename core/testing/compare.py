@@ -6,6 +6,7 @@ from collections.abc import Callable
 import torch
 
 from armillary.sampling_params import SamplingParams
+from armillary.testing.drive import LogitsRecorder, greedy_params
 from armillary.testing.reference import hf_greedy
 
 
@@ -35,6 +36,22 @@ def assert_greedy_matches(llm, hf_model: torch.nn.Module, prompt_list: list[list
             ref_logprobs = torch.log_softmax(ref.logits[step][0].float(), dim=-1)
             for token_id, value in logprob.top:
                 assert abs(value - ref_logprobs[token_id].item()) < atol, (step, token_id)
+
+
+def assert_reference_run(llm, reference, new_tokens: int, tol: float = 1e-4) -> None:
+    """``llm`` reproduces a ``Reference``: its prompts all at once, then one at a time with every computed logits row
+    recorded, give the reference's greedy tokens, and the rows are within ``tol`` (max_relative_error) of its logits."""
+    batch = llm.generate([{"prompt_token_ids": p} for p in reference.prompts], greedy_params(new_tokens))
+    assert [o.outputs[0].token_ids for o in batch] == reference.tokens, "the prompts in one batch"
+    rec = LogitsRecorder(llm.engine.model)
+    try:
+        for i, (prompt, tokens, logits) in enumerate(zip(reference.prompts, reference.tokens, reference.logits)):
+            out = llm.generate({"prompt_token_ids": prompt}, greedy_params(new_tokens))[0].outputs[0]
+            assert out.token_ids == tokens, f"prompt {i} ({len(prompt)} tokens): greedy continuation differs"
+            err = max_relative_error(rec.take(), logits)
+            assert err < tol, f"prompt {i}: relative logits error {err:.2e}"
+    finally:
+        rec.close()
 
 
 def assert_stepwise_greedy(harness, ref, new_tokens: int, close: Callable[[torch.Tensor, torch.Tensor, str], None],

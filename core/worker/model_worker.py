@@ -20,12 +20,12 @@ from armillary.parallel import SINGLE, ParallelContext, use_parallel
 from armillary.sampler import Sampler
 from armillary.sampling_params import SamplingParams
 from armillary.sequence import Sequence
+from armillary.shard_reads import BYTES_READ, close_maps
 from armillary.speculative.graphs import SpecGraphs
 from armillary.speculative.proposer import DraftProposer
 from armillary.speculative.step import SpeculativeConfig
 from armillary.step_plan import ScheduledChunk, StepPlan
 from armillary.structured.outputs import StructuredOutputs
-from armillary.shard_reads import BYTES_READ, close_maps
 from armillary.weights import fill_parameters
 from armillary.worker.base import Worker
 
@@ -164,15 +164,10 @@ class ModelWorker(Worker):
                         block_size: int, dtype: torch.dtype) -> str:
         source = apply_kv_scales(self.caches, self.model, layout, calibration_tokens, vocab_size, block_size, dtype)
         scaled = [c for c in self.caches if c is not None and getattr(c, "k_scale", None) is not None]
-        if source == "calibrated" and scaled and self.parallel.world_size > 1:
+        if source == "calibrated" and self.parallel.world_size > 1:
             # each rank measured its own heads: every rank takes the largest, as one process over all heads would
-            flat = torch.cat([t.reshape(-1).float() for c in scaled for t in (c.k_scale, c.v_scale)])
-            torch.distributed.all_reduce(flat, op=torch.distributed.ReduceOp.MAX)
-            at = 0
-            for c in scaled:
-                for t in (c.k_scale, c.v_scale):
-                    t.copy_(flat[at:at + t.numel()].view_as(t))
-                    at += t.numel()
+            for t in (s for c in scaled for s in (c.k_scale, c.v_scale)):
+                torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
         return source
 
     def launch(self, plan: StepPlan) -> LaunchedStep:

@@ -131,9 +131,9 @@ class RankedWorkers(Worker):
         self.timeout_s = config.distributed_timeout_s
         self._dir = tempfile.mkdtemp(prefix="armillary-tp-")
         self.reported: dict[int, str] = {}
-        launched = launched_rank()
+        launched = launched_rank()  # its world the engine checked against config.world_size
+        self.launched = launched is not None
         if launched is not None:  # the launcher started every rank; the others wait in follow_rank_zero
-            check_launched_world(config, launched)
             if launched.rank != 0:
                 raise ValueError(f"rank {launched.rank} builds no engine: it runs follow_rank_zero")
             init, self.errors, self.procs = "env://", None, []
@@ -149,7 +149,7 @@ class RankedWorkers(Worker):
             proc.start()
         try:
             self.control = init_groups(0, self.world, init, device, self.timeout_s)
-            if launched is not None:  # what the followers cannot work out alone
+            if self.launched:  # what the followers cannot work out alone
                 dist.broadcast_object_list([max_model_len], src=0, group=self.control)
         except Exception as exc:
             failure = self._failure(exc)
@@ -208,7 +208,7 @@ class RankedWorkers(Worker):
     def close(self, graceful: bool = True) -> None:
         """Stop the other ranks (a stop command unless not ``graceful``, then terminate what still runs) and
         leave the groups."""
-        if graceful and (any(p.is_alive() for p in self.procs) or self.errors is None) and dist.is_initialized():
+        if graceful and (self.launched or any(p.is_alive() for p in self.procs)) and dist.is_initialized():
             try:
                 self._send(STOP)
             except RankFailed:

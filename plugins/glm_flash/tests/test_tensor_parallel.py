@@ -12,9 +12,9 @@ import torch
 from armillary import LLM
 from armillary.hf_config import HFConfig
 from armillary.parallel import ParallelContext, use_parallel
-from armillary.testing import LogitsRecorder, greedy_params, lazy_references
-from armillary_glm_flash.model import Glm4MoeLiteForCausalLM
 from armillary.sampling_params import SamplingParams
+from armillary.testing import assert_reference_run, lazy_references
+from armillary_glm_flash.model import Glm4MoeLiteForCausalLM
 from plugins.glm_flash.tests.harness import build_engine, glm_registry
 from plugins.glm_flash.tests.hf_models import CASES_BY_NAME, NEW_TOKENS, Case, make_reference, prompts
 from plugins.glm_flash.tests.test_mtp import write_mtp_checkpoint
@@ -74,18 +74,9 @@ def test_two_ranks_match_transformers(references, case, tp, ep):
     try:
         model = llm.engine.model
         assert_rank0_shard(model, case.config, tp, ep, llm.engine.worker.caches)
-        batch = llm.generate([{"prompt_token_ids": p} for p in reference.prompts], greedy_params(NEW_TOKENS))
-        rec = LogitsRecorder(model)
-        for prompt, tokens, logits in zip(reference.prompts, reference.tokens, reference.logits):
-            rec.rows.clear()
-            out = llm.generate({"prompt_token_ids": prompt}, greedy_params(NEW_TOKENS))[0].outputs[0]
-            assert out.token_ids == tokens, f"prompt of {len(prompt)} tokens"
-            ours = torch.stack(rec.rows)
-            err = (ours - logits).abs().max() / logits.abs().max()
-            assert err < 1e-4, f"relative logits error {err:.2e}"
+        assert_reference_run(llm, reference, NEW_TOKENS)
     finally:
         llm.engine.shutdown()
-    assert [o.outputs[0].token_ids for o in batch] == reference.tokens  # all four prompts in one batch
 
 
 def _build_rank0(config: dict, tp: int, ep: int = 1) -> Glm4MoeLiteForCausalLM:

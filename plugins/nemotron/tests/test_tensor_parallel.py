@@ -16,13 +16,12 @@ from armillary.hf_config import HFConfig
 from armillary.layers.quantization import use_quant_config
 from armillary.layers.quantization.modelopt import ModelOptConfig
 from armillary.parallel import ParallelContext, use_parallel
-from armillary.testing import LogitsRecorder, greedy_params, max_relative_error
+from armillary.sampling_params import SamplingParams
+from armillary.testing import assert_reference_run, cpu_engine, lazy_references
 from armillary_nemotron.config import NemotronHArgs
 from armillary_nemotron.mamba_mixer import Mamba2Mixer
 from armillary_nemotron.mamba_shard import MambaInProj, MambaShard, mamba_shard
 from armillary_nemotron.model import NemotronHForCausalLM
-from armillary.sampling_params import SamplingParams
-from armillary.testing import cpu_engine
 from plugins.nemotron.tests.hf_models import CASES_BY_NAME, NEW_TOKENS, make_reference, nemotron_registry, prompts
 from plugins.nemotron.tests.mtp_checkpoint import save_with_mtp
 from tests.fixtures.engine_runs import run_to_completion
@@ -35,13 +34,7 @@ RUNS = [("ME*ME_groups2_chunk8", 2, 1), ("ME*ME_groups2_chunk8", 1, 2), ("M*-EM_
 
 @pytest.fixture(scope="module")
 def references(tmp_path_factory):
-    made = {}
-
-    def get(name: str):
-        if name not in made:
-            made[name] = make_reference(CASES_BY_NAME[name], tmp_path_factory.mktemp(name))
-        return made[name]
-    return get
+    return lazy_references(make_reference, tmp_path_factory)
 
 
 def _assert_rank0_share(llm: LLM, cfg: dict, tp: int, ep: int) -> None:
@@ -71,22 +64,14 @@ def _assert_rank0_share(llm: LLM, cfg: dict, tp: int, ep: int) -> None:
 
 @pytest.mark.parametrize("name,tp,ep", RUNS, ids=[f"{n}-tp{tp}-ep{ep}" for n, tp, ep in RUNS])
 def test_two_ranks_match_transformers(references, name, tp, ep):
-    reference = references(name)
+    reference = references(CASES_BY_NAME[name])
     llm = LLM(str(reference.model_dir), registry=nemotron_registry(), dtype="float32", device="cpu", max_model_len=256,
               tensor_parallel_size=tp, expert_parallel_size=ep, distributed_timeout_s=60, cpu_kv_cache_space_gb=0.05)
     try:
         _assert_rank0_share(llm, reference.case.config, tp, ep)
-        batch = llm.generate([{"prompt_token_ids": p} for p in reference.prompts], greedy_params(NEW_TOKENS))
-        rec = LogitsRecorder(llm.engine.model)
-        for i, (prompt, tokens, logits) in enumerate(zip(reference.prompts, reference.tokens, reference.logits)):
-            rec.rows.clear()
-            out = llm.generate({"prompt_token_ids": prompt}, greedy_params(NEW_TOKENS))[0].outputs[0]
-            assert out.token_ids == tokens, f"prompt {i} ({len(prompt)} tokens): greedy continuation differs"
-            err = max_relative_error(rec.take(), logits)
-            assert err < 1e-4, f"prompt {i}: relative logits error {err:.2e}"
+        assert_reference_run(llm, reference, NEW_TOKENS)
     finally:
         llm.engine.shutdown()
-    assert [o.outputs[0].token_ids for o in batch] == reference.tokens  # all four prompts in one batch
 
 
 def _hf(heads: int, groups: int) -> HFConfig:

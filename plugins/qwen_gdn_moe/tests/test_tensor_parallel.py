@@ -7,11 +7,10 @@ the checkpoint's head and through oracle drafts on rank 0 that make every accept
 from __future__ import annotations
 
 import pytest
-import torch
 
 from armillary import LLM
-from armillary.testing import LogitsRecorder, greedy_params
 from armillary.sampling_params import SamplingParams
+from armillary.testing import assert_reference_run, lazy_references
 from plugins.qwen_gdn_moe.tests.harness import build_engine, qwen_registry
 from plugins.qwen_gdn_moe.tests.hf_models import CASES_BY_NAME, VOCAB, make_reference, prompts
 from plugins.qwen_gdn_moe.tests.mtp_checkpoint import save_with_mtp
@@ -28,18 +27,12 @@ RUNS = [(name, tp, ep) for name in TP_CASES for tp, ep in ((2, 1), (1, 2), (2, 2
 
 @pytest.fixture(scope="module")
 def references(tmp_path_factory):
-    made = {}
-
-    def get(name: str):
-        if name not in made:
-            made[name] = make_reference(CASES_BY_NAME[name], tmp_path_factory.mktemp(name))
-        return made[name]
-    return get
+    return lazy_references(make_reference, tmp_path_factory)
 
 
 @pytest.mark.parametrize("name,tp,ep", RUNS, ids=[f"{n}-tp{tp}-ep{ep}" for n, tp, ep in RUNS])
 def test_two_ranks_match_transformers(references, name, tp, ep):
-    reference = references(name)
+    reference = references(CASES_BY_NAME[name])
     llm = LLM(str(reference.model_dir), registry=qwen_registry(), dtype="float32", device="cpu", max_model_len=256,
               tensor_parallel_size=tp, expert_parallel_size=ep, distributed_timeout_s=60, cpu_kv_cache_space_gb=0.05)
     try:
@@ -57,17 +50,9 @@ def test_two_ranks_match_transformers(references, name, tp, ep):
         assert model.model.embed_tokens.weight.shape[0] == -(-model.config.vocab_size // tp)  # vocabulary rows
         states = next(c for c in llm.engine.worker.caches if hasattr(c, "tensors")).tensors
         assert states[0].shape[1] == gdn.conv_dim and states[1].shape[1] == gdn.num_v_heads  # rank 0's share
-        batch = llm.generate([{"prompt_token_ids": p} for p in reference.prompts], greedy_params(32))
-        rec = LogitsRecorder(model)
-        for prompt, tokens, logits in zip(reference.prompts, reference.tokens, reference.logits):
-            rec.rows.clear()
-            assert llm.generate({"prompt_token_ids": prompt}, greedy_params(32))[0].outputs[0].token_ids == tokens
-            ours = torch.stack(rec.rows)
-            err = (ours - logits).abs().max() / logits.abs().max()
-            assert err < 1e-4, f"relative logits error {err:.2e}"
+        assert_reference_run(llm, reference, 32)
     finally:
         llm.engine.shutdown()
-    assert [o.outputs[0].token_ids for o in batch] == reference.tokens  # all four prompts in one batch
 
 
 @pytest.mark.parametrize("oracle", [False, True], ids=["mtp", "oracle"])
