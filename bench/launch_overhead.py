@@ -27,16 +27,20 @@ def report(name: str, us: float, note: str = "") -> None:
     print(f"{name}: {us:.2f} us per call {note}".rstrip(), flush=True)
 
 
-def host_us(fn, calls: int) -> float:
-    """µs per call of ``fn`` over ``calls`` calls, the GPU drained before and after."""
+def host_us(fn, calls: int, wait: bool = True) -> float:
+    """µs per call of ``fn`` over ``calls`` calls, the GPU drained before; with ``wait`` the timing includes
+    draining it after (wall time per call), without it only the host's queueing (the GPU may lag behind)."""
     for _ in range(20):
         fn()
     torch.cuda.synchronize()
     t = time.perf_counter()
     for _ in range(calls):
         fn()
+    if wait:
+        torch.cuda.synchronize()
+    dt = time.perf_counter() - t
     torch.cuda.synchronize()
-    return (time.perf_counter() - t) / calls * 1e6
+    return dt / calls * 1e6
 
 
 @triton.jit
@@ -107,6 +111,30 @@ def torch_paths(dev: torch.device, calls: int) -> None:
     report("tensor.view + split", host_us(lambda: x.view(1, 2, 32).split([16, 16], dim=-1), calls))
     report("torch.cuda.current_stream()", host_us(lambda: torch.cuda.current_stream(dev), calls))
     report("os.environ.get", host_us(lambda: os.environ.get("ARMILLARY_PDL", ""), calls))
+    report("triton.cdiv (host)", host_us(lambda: triton.cdiv(2048, 64), calls))
+    report("triton.next_power_of_2 (host)", host_us(lambda: triton.next_power_of_2(2000), calls))
+    report("torch.cuda.current_device()", host_us(lambda: torch.cuda.current_device(), calls))
+
+
+def blas_paths(dev: torch.device) -> None:
+    """Host cost of prefill-sized cuBLAS GEMMs under each BLAS backend torch offers (device time beside it)."""
+    from torch.nn import functional as F
+
+    w = torch.randn(12352, 2048, device=dev, dtype=torch.bfloat16)
+    backend = torch.backends.cuda.preferred_blas_library()
+    print(f"preferred BLAS library: {backend}", flush=True)
+    for lib in ("cublas", "cublaslt"):
+        try:
+            torch.backends.cuda.preferred_blas_library(lib)
+        except Exception as exc:  # noqa: BLE001
+            print(f"{lib}: {type(exc).__name__}: {exc}", flush=True)
+            continue
+        for m in (64, 2048):
+            x = torch.randn(m, 2048, device=dev, dtype=torch.bfloat16)
+            name = f"F.linear [{m}, 2048] x [12352, 2048]"
+            report(f"{name} host, {lib}", host_us(lambda: F.linear(x, w), 200, wait=False))
+            report(f"{name} wall, {lib}", host_us(lambda: F.linear(x, w), 200))
+    torch.backends.cuda.preferred_blas_library(backend)
 
 
 def core_wrappers(dev: torch.device, calls: int) -> None:
@@ -135,10 +163,16 @@ def main() -> int:
     print(f"torch {torch.__version__}, triton {triton.__version__}, {torch.cuda.get_device_name(dev)}", flush=True)
     triton_paths(dev, args.calls)
     torch_paths(dev, args.calls)
+    blas_paths(dev)
     try:
         core_wrappers(dev, args.calls)
     except Exception as exc:  # noqa: BLE001 - report the rest even if a wrapper's signature moved
         print(f"core wrappers: {type(exc).__name__}: {exc}", flush=True)
+    from triton import knobs
+
+    hooks = {name: getattr(getattr(knobs.runtime, name, None), "calls", getattr(knobs.runtime, name, None))
+             for name in ("launch_enter_hook", "launch_exit_hook")}
+    print(f"Triton launch hooks registered: {hooks}", flush=True)
     if os.environ.get("OUT"):
         Path(os.environ["OUT"], "launch_overhead.json").write_text(json.dumps(RESULTS, indent=1))
     return 0

@@ -111,7 +111,7 @@ def load_table(package: str, target: str) -> dict:
     return json.loads(text)
 
 
-_CONFIGS: dict[tuple, dict] = {}  # kernel_config's answers: a prefill asks ~400 times, for a few distinct keys
+_CONFIGS: dict[tuple, tuple] = {}  # kernel_config's answers: an eager prefill asks ~420 times, for a few keys
 _CONFIGS_KEPT = 4096
 
 
@@ -119,23 +119,23 @@ def kernel_config(package: str, kernel: str, key: str, defaults: dict, device: t
     """``defaults`` overlaid with each table's entry for ``kernel`` ("default", then ``key``), lowest table
     first: ``package``'s, then the overlay packages'; within a package the capability's, then the GPU's.
 
-    Answers are remembered per explicit device and overlay (and per the lookup functions in use, so a
-    test that swaps one sees a fresh answer); each call gets its own copy."""
-    memo = None
-    if device is not None:
-        try:
-            memo = (package, kernel, key, tuple(defaults.items()), device, _overlay, load_table, device_targets,
-                    device_target, gpu_name)
-            hit = _CONFIGS.get(memo)
-        except TypeError:  # an unhashable default: no memo
-            memo, hit = None, None
-        if hit is not None:
-            return {k: dict(v) if isinstance(v, dict) else v for k, v in hit.items()}
+    Answers are remembered per explicit device and overlay (and per the defaults and the lookup functions
+    in use, so a test that swaps one sees a fresh answer); each call gets its own copy."""
+    if device is None:
+        return _kernel_config(package, kernel, key, defaults, device)
+    memo = (package, kernel, key, device, _overlay)
+    hit = _CONFIGS.get(memo)
+    # a hit must come from the same defaults and lookups: compared, not hashed (the cheap part of a launch)
+    if hit is not None and hit[1] is load_table and hit[2] is device_targets and hit[3] is device_target \
+            and hit[4] is gpu_name and hit[0] == defaults:
+        cfg, nested = hit[5], hit[6]
+        return {k: dict(v) if isinstance(v, dict) else v for k, v in cfg.items()} if nested else dict(cfg)
     cfg = _kernel_config(package, kernel, key, defaults, device)
-    if memo is not None:
-        if len(_CONFIGS) >= _CONFIGS_KEPT:
-            _CONFIGS.clear()
-        _CONFIGS[memo] = {k: dict(v) if isinstance(v, dict) else v for k, v in cfg.items()}
+    if len(_CONFIGS) >= _CONFIGS_KEPT:
+        _CONFIGS.clear()
+    nested = any(isinstance(v, dict) for v in cfg.values())
+    kept = {k: dict(v) if isinstance(v, dict) else v for k, v in cfg.items()}
+    _CONFIGS[memo] = (dict(defaults), load_table, device_targets, device_target, gpu_name, kept, nested)
     return cfg
 
 

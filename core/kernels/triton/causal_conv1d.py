@@ -16,6 +16,7 @@ import triton.language as tl
 
 from armillary.kernels.tuning import kernel_config
 from armillary.kernels.triton.varlen import device_offsets, host_bounds, varlen_chunks
+from armillary.kernels.triton.host import cdiv, next_power_of_2
 
 TUNING_PACKAGE = "armillary.kernels"
 CONV_DEFAULTS = {"BLOCK_T": 32, "BLOCK_C": 128, "num_warps": 4}  # measured best of 5 on an H200 (bench/gdn_kernels.py)
@@ -115,12 +116,12 @@ def causal_conv1d_prefill(
     if cfg["BLOCK_T"] < kw - 1:
         raise ValueError("causal_conv1d_prefill: BLOCK_T must cover the old window (>= kernel - 1)")
     chunks = varlen_chunks(bounds, cfg["BLOCK_T"], x.device)
-    grid = (chunks.num_chunks, triton.cdiv(channels, cfg["BLOCK_C"]))
+    grid = (chunks.num_chunks, cdiv(channels, cfg["BLOCK_C"]))
     _causal_conv1d_varlen_kernel[grid](
         x, weight, bias if bias is not None else weight, conv_states, state_indices,
         device_offsets(cu_seqlens, x.device), chunks.table, out,
         x.stride(0), weight.stride(0), conv_states.stride(0), out.stride(0), channels,
-        KW=kw, KW_P2=triton.next_power_of_2(kw), BLOCK_T=cfg["BLOCK_T"], BLOCK_C=cfg["BLOCK_C"],
+        KW=kw, KW_P2=next_power_of_2(kw), BLOCK_T=cfg["BLOCK_T"], BLOCK_C=cfg["BLOCK_C"],
         HAS_BIAS=bias is not None, SILU=activation == "silu", num_warps=cfg["num_warps"],
     )
     return out

@@ -31,6 +31,7 @@ from armillary.kernels.triton.fp4_gemm import check_weight, fp4_prefill_gemm
 from armillary.kernels.triton.fp4_gemv import DECODE_MAX_ROWS, dequant_bytes, fp4_skinny_gemm
 from armillary.kernels.triton.fp8_cast import exact_div, to_e4m3
 from armillary.kernels.triton.fp8_skinny import on_gpu
+from armillary.kernels.triton.host import cdiv, next_power_of_2
 
 TUNING_PACKAGE = "armillary.kernels"
 KERNEL = "fp4_blackwell"
@@ -105,7 +106,7 @@ def quantize_act_nvfp4(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, tor
     s = torch.empty(m, k // 16, dtype=torch.float8_e4m3fn, device=x.device)
     g = torch.empty(m, dtype=torch.float32, device=x.device)
     if m:
-        groups = triton.next_power_of_2(k // 16)
+        groups = next_power_of_2(k // 16)
         _quant_nvfp4_kernel[(m,)](x, q, s, g, k, x.stride(0), q.stride(0), s.stride(0), GROUPS=groups,
                                   num_warps=4 if groups <= 64 else 8)
     return q, s, g
@@ -197,7 +198,7 @@ def fp4_scaled_gemm(x: torch.Tensor, w_packed: torch.Tensor, w_scale: torch.Tens
     w_packed = w_packed if w_packed.stride(-1) == 1 else w_packed.contiguous()
     w_scale = w_scale if w_scale.stride(-1) == 1 else w_scale.contiguous()
     native = OFFLINE_NATIVE or x.device.type == "cuda"
-    grid = (triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"]),)
+    grid = (cdiv(m, cfg["BLOCK_M"]) * cdiv(n, cfg["BLOCK_N"]),)
     _fp4_scaled_gemm_kernel[grid](
         aq, a_s, ag, w_packed, w_scale, global_scale, bias if bias is not None else out, out, m, n, k,
         aq.stride(0), a_s.stride(0), w_packed.stride(0), w_scale.stride(0), out.stride(0),

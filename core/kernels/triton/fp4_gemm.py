@@ -33,6 +33,7 @@ from armillary.kernels.triton.fp4_gemv import (DECODE_MAX_ROWS, FOLD, dequant_ha
 from armillary.kernels.triton.fp8_cast import to_e4m3
 from armillary.kernels.triton.fp8_gemm import quantize_act
 from armillary.kernels.triton.fp8_skinny import on_gpu
+from armillary.kernels.triton.host import cdiv
 
 __all__ = ["DECODE_MAX_ROWS", "check_weight", "fp4_linear", "fp4_prefill_gemm", "prefill_config"]
 TUNING_PACKAGE = "armillary.kernels"
@@ -190,14 +191,14 @@ def fp4_prefill_gemm(x: torch.Tensor, w_packed: torch.Tensor, w_scale: torch.Ten
         return torch.nn.functional.linear(x, dequantize(w_packed, w_scale, global_scale, x.dtype), bias)
     if cfg["variant"] == "fp8":
         xq, xs = quantize_act(x, FP8_ACT_GROUP)  # [M, K] e4m3, [K / 128, M]
-        grid = (triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"]),)
+        grid = (cdiv(m, cfg["BLOCK_M"]) * cdiv(n, cfg["BLOCK_N"]),)
         _fp4_fp8_gemm_kernel[grid](
             xq, xs, w_packed, w_scale, global_scale, bias_arg, out, m, n, k, xq.stride(0), w_packed.stride(0),
             w_scale.stride(0), out.stride(0), EVEN_K=k % FP8_ACT_GROUP == 0, BLOCK_K=FP8_ACT_GROUP, **common)
         return out
     if cfg["variant"] != "bf16":
         raise ValueError(f"fp4_prefill_gemm: variant must be 'bf16', 'fp8' or 'dequant', not {cfg['variant']!r}")
-    grid = (triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"]),)
+    grid = (cdiv(m, cfg["BLOCK_M"]) * cdiv(n, cfg["BLOCK_N"]),)
     _fp4_bf16_gemm_kernel[grid](
         x, w_packed, w_scale, global_scale, bias_arg, out, m, n, k, x.stride(0), w_packed.stride(0),
         w_scale.stride(0), out.stride(0), EVEN_K=k % cfg["BLOCK_K"] == 0,

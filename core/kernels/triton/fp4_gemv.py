@@ -32,6 +32,7 @@ from armillary.kernels.triton.device_buffers import ticket_buffer
 from armillary.kernels.triton.fp8_skinny import on_gpu, pdl_options, sm_count
 from armillary.kernels.triton.pdl import pdl_prologue
 from armillary.kernels.triton.split_k import split_k_epilogue
+from armillary.kernels.triton.host import cdiv, next_power_of_2
 
 FP4_GROUP = 16
 DECODE_MAX_ROWS = 64  # up to this many rows stream W with unquantized activations
@@ -180,7 +181,7 @@ def dequantize(w_packed: torch.Tensor, w_scale: torch.Tensor, global_scale: torc
     out = torch.empty(*lead, n, k, dtype=dtype, device=w_packed.device)
     if rows:
         br, bc = (16, 256) if on_gpu(w_packed.device) else (8, 32)
-        _dequant_kernel[(triton.cdiv(rows, br), triton.cdiv(half, bc))](
+        _dequant_kernel[(cdiv(rows, br), cdiv(half, bc))](
             w_packed.contiguous(), w_scale.contiguous(), global_scale.float().contiguous(), out, rows, k,
             BLOCK_R=br, BLOCK_C=bc, num_warps=4)
     return out
@@ -188,7 +189,7 @@ def dequantize(w_packed: torch.Tensor, w_scale: torch.Tensor, global_scale: torc
 
 def config_key(rows: int, n: int, k: int) -> str:
     """Tuning-table key: exact (N, K) and the rows rounded up to a power of two."""
-    return f"n{n}_k{k}_m{triton.next_power_of_2(max(rows, 1))}"
+    return f"n{n}_k{k}_m{next_power_of_2(max(rows, 1))}"
 
 
 def lookup_config(rows: int, n: int, k: int, device: torch.device | None = None) -> dict:
@@ -201,23 +202,23 @@ def decode_config(m: int, n: int, k: int, device: torch.device) -> dict:
     cfg = lookup_config(m, n, k, device if on_gpu(device) else None)
     use_dot = m > 1
     if use_dot:
-        bm = max(16, triton.next_power_of_2(m))
+        bm = max(16, next_power_of_2(m))
         bn = cfg["DOT_BLOCK_N"] or (32 if m <= 16 else 64)
-        bk = max(32, min(cfg["DOT_BLOCK_K"], triton.next_power_of_2(k)))
+        bk = max(32, min(cfg["DOT_BLOCK_K"], next_power_of_2(k)))
     else:
         bm, bn = 1, cfg["BLOCK_N"]
-        bk = max(16, min(cfg["BLOCK_K"], triton.next_power_of_2(k)))
-    tiles = triton.cdiv(n, bn) * triton.cdiv(m, bm)
-    k_blocks = triton.cdiv(k, bk)
+        bk = max(16, min(cfg["BLOCK_K"], next_power_of_2(k)))
+    tiles = cdiv(n, bn) * cdiv(m, bm)
+    k_blocks = cdiv(k, bk)
     split = cfg["split_k"]
     if not split:
         want, split = cfg["target_waves"] * sm_count(device), 1
         per_split = 8 if use_dot else 4
         while tiles * split < want and split * 2 * per_split <= k_blocks:
             split *= 2
-    k_tiles = triton.cdiv(k_blocks, max(1, min(split, k_blocks)))
+    k_tiles = cdiv(k_blocks, max(1, min(split, k_blocks)))
     return dict(USE_DOT=use_dot, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, K_TILES=k_tiles,
-                split_k=triton.cdiv(k_blocks, k_tiles), num_warps=cfg["dot_num_warps"] if use_dot else cfg["num_warps"],
+                split_k=cdiv(k_blocks, k_tiles), num_warps=cfg["dot_num_warps"] if use_dot else cfg["num_warps"],
                 num_stages=cfg["dot_num_stages"] if use_dot and on_gpu(device) else 1)
 
 
@@ -245,10 +246,10 @@ def fp4_skinny_gemm(x: torch.Tensor, w_packed: torch.Tensor, w_scale: torch.Tens
         w = w.contiguous()
     split = cfg["split_k"]
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    tiles = triton.cdiv(n, cfg["BLOCK_N"]) * triton.cdiv(m, cfg["BLOCK_M"])
+    tiles = cdiv(n, cfg["BLOCK_N"]) * cdiv(m, cfg["BLOCK_M"])
     tickets = ticket_buffer(x.device, tiles)  # untouched without a split
     part = torch.empty(split if split > 1 else 1, m, n if split > 1 else 1, dtype=torch.float32, device=x.device)
-    grid = (triton.cdiv(n, cfg["BLOCK_N"]), triton.cdiv(m, cfg["BLOCK_M"]), split)
+    grid = (cdiv(n, cfg["BLOCK_N"]), cdiv(m, cfg["BLOCK_M"]), split)
     _fp4_skinny_kernel[grid](
         x, w, w_scale, global_scale, bias if bias is not None else out, out, part, tickets,
         m, n, k, x.stride(0), w.stride(0), w_scale.stride(0), out.stride(0), split,

@@ -39,6 +39,7 @@ from armillary.kernels.triton.fp8_skinny import on_gpu, pdl_options
 from armillary.kernels.triton import moe as bf16_moe
 from armillary.kernels.triton.moe_align import moe_align
 from armillary.kernels.triton.pdl import pdl_prologue
+from armillary.kernels.triton.host import cdiv, next_power_of_2
 
 GEMV_MAX_PAIRS = 64  # at most this many (token, expert) pairs take the GEMV path
 VARIANTS = ("grouped", "dequant")  # the grouped entry's "variant": the NVFP4 tile kernel, or unpacked experts
@@ -181,8 +182,8 @@ def _grouped_kernel(
 
 def _gemv_meta(k: int, bn: int, width: int) -> dict:
     """Tile constexprs of a GEMV launch over K columns: tiles of ``width`` columns (a power of two, >= 16)."""
-    bk = max(16, min(width, triton.next_power_of_2(k)))
-    tiles = triton.cdiv(k, bk)
+    bk = max(16, min(width, next_power_of_2(k)))
+    tiles = cdiv(k, bk)
     return dict(EVEN_K=k % bk == 0, K_TILES=tiles, BLOCK_N=bn, BLOCK_K=bk)
 
 
@@ -205,7 +206,7 @@ def gemv_up(x: torch.Tensor, w13: torch.Tensor, s13: torch.Tensor, g13: torch.Te
     act = _FUSED_ACTS[activation] if activation is not None else _IDENTITY
     w = as_words(w13)  # [E, 2I or I, H / 8] int32
     bn = cfg["BLOCK_N1"]
-    _gemv_up_kernel[(topk_ids.numel(), triton.cdiv(rows, bn))](
+    _gemv_up_kernel[(topk_ids.numel(), cdiv(rows, bn))](
         x, w, s13, g13, h, topk_ids, rows, x.shape[1], x.stride(0), w.stride(0), w.stride(1), s13.stride(0),
         s13.stride(1), g13.stride(0), h.stride(0), A_DIV=k, GATED=gated, ACT=act, num_warps=cfg["num_warps1"],
         num_stages=1, **_gemv_meta(x.shape[1], bn, cfg["BLOCK_K1"]), **pdl_options(x.device))  # fmt: skip
@@ -219,7 +220,7 @@ def gemv_down(h: torch.Tensor, w2: torch.Tensor, s2: torch.Tensor, g2: torch.Ten
     hidden, inter = w2.shape[1], 2 * w2.shape[2]
     w = as_words(w2)  # [E, H, I / 8] int32
     bn = cfg["BLOCK_N2"]
-    _gemv_down_kernel[(t, triton.cdiv(hidden, bn))](
+    _gemv_down_kernel[(t, cdiv(hidden, bn))](
         h, w, s2, g2, out, topk_ids, weights, hidden, inter, h.stride(0), w.stride(0), w.stride(1), s2.stride(0),
         s2.stride(1), g2.stride(0), out.stride(0), TOP_K=k, num_warps=cfg["num_warps2"], num_stages=1,
         **_gemv_meta(inter, bn, cfg["BLOCK_K2"]), **pdl_options(out.device))  # fmt: skip
@@ -258,7 +259,7 @@ def _grouped_gemm(a: torch.Tensor, w: torch.Tensor, s: torch.Tensor, g: torch.Te
     k = 2 * half
     out = torch.empty(num_pairs, n, dtype=a.dtype, device=a.device)
     bn, bk = tile["BLOCK_N"], tile["BLOCK_K"]
-    _grouped_kernel[(align.block_expert.shape[0], triton.cdiv(n, bn))](
+    _grouped_kernel[(align.block_expert.shape[0], cdiv(n, bn))](
         a, w, s, g, out, align.sorted_pair_ids, align.block_expert, align.expert_offsets, align.expert_counts,
         n, k, a.stride(0), w.stride(0), w.stride(1), s.stride(0), s.stride(1), g.stride(0), out.stride(0),
         A_DIV=a_div, EVEN_K=k % bk == 0, DOT_PRECISION="ieee" if a.dtype == torch.float32 else "tf32",

@@ -30,6 +30,7 @@ from armillary.kernels.fp8 import FP8_MAX
 from armillary.kernels.triton import fp8_scaled_mm
 from armillary.kernels.triton.fp8_cast import exact_div, to_e4m3
 from armillary.kernels.triton.fp8_skinny import DECODE_MAX_ROWS, fp8_skinny_gemm, on_gpu
+from armillary.kernels.triton.host import cdiv, next_power_of_2
 
 __all__ = ["DECODE_MAX_ROWS", "act_group", "dequantize_blocks", "fp8_linear", "prefill_config", "quantize_act", "use_scaled_mm"]
 _QUANT_ELEMS = 2048  # elements of x per quantization program
@@ -151,7 +152,7 @@ def dequantize_blocks(weight: torch.Tensor, scale: torch.Tensor, block_n: int, b
     count = weight.numel() // max(n * k, 1)
     if out.numel():
         br, bc = (32, 256) if on_gpu(weight.device) else (8, 32)
-        _dequant_blocks_kernel[(count * triton.cdiv(n, br), triton.cdiv(k, bc))](
+        _dequant_blocks_kernel[(count * cdiv(n, br), cdiv(k, bc))](
             weight.contiguous(), scale.float().contiguous(), out, n, k, scale.shape[-2], scale.shape[-1],
             GROUP_N=block_n, GROUP_K=block_k, BLOCK_R=br, BLOCK_C=bc, num_warps=4)
     return out
@@ -162,7 +163,7 @@ def act_group(k: int, block_k: int) -> int:
     groups (a power of two >= 16), or one power-of-two tile over the whole row when that covers K."""
     g = min(block_k, 128)
     if g >= k:
-        return max(16, triton.next_power_of_2(k))
+        return max(16, next_power_of_2(k))
     if g & (g - 1) or g < 16:
         raise ValueError(f"fp8 prefill GEMM takes power-of-two weight blocks of at least 16 along K, not {block_k}")
     return g
@@ -183,12 +184,12 @@ def quantize_act(x: torch.Tensor, group: int, rows: int | None = None, activatio
     if r < m:
         raise ValueError(f"quantize_act: {r} output rows cannot hold {m}")
     q = torch.empty(r, k, dtype=torch.float8_e4m3fn, device=x.device)
-    groups = triton.cdiv(k, group)
+    groups = cdiv(k, group)
     s = torch.empty(groups, r, dtype=torch.float32, device=x.device)
     if r == 0:
         return q, s
-    gpp = min(triton.next_power_of_2(groups), max(1, _QUANT_ELEMS // group))
-    _quant_act_kernel[(r, triton.cdiv(groups, gpp))](x, q, s, m, k, r, x.stride(0), q.stride(0), k,
+    gpp = min(next_power_of_2(groups), max(1, _QUANT_ELEMS // group))
+    _quant_act_kernel[(r, cdiv(groups, gpp))](x, q, s, m, k, r, x.stride(0), q.stride(0), k,
                                                      GROUPS_PER_PROG=gpp, GROUP=group, FP8_LIMIT=FP8_MAX,
                                                      APPLY_ACT=activation is not None, ACTIVATION=activation or 0,
                                                      GATED=gated, num_warps=4)
@@ -231,7 +232,7 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block
     n = weight.shape[0]
     if weight.shape[1] != k or x.stride(1) != 1 or weight.stride(1) != 1:
         raise ValueError(f"fp8_linear: x {tuple(x.shape)} / weight {tuple(weight.shape)} need matching K with unit stride")
-    if scale.shape != (triton.cdiv(n, block_n), triton.cdiv(k, block_k)) and not (block_k >= k and scale.shape == (triton.cdiv(n, block_n), 1)):
+    if scale.shape != (cdiv(n, block_n), cdiv(k, block_k)) and not (block_k >= k and scale.shape == (cdiv(n, block_n), 1)):
         raise ValueError(f"fp8_linear: scale {tuple(scale.shape)} does not fit weight {tuple(weight.shape)} "
                          f"in blocks of ({block_n}, {block_k})")
     if tail is not None and (tail.shape[1] != k or tail.dtype != x.dtype):
@@ -274,7 +275,7 @@ def _block_gemm(xq: torch.Tensor, xs: torch.Tensor, weight: torch.Tensor, scale:
     n = weight.shape[0]
     cfg = {**prefill_config(rows, on_gpu(xq.device)), **config}
     group = act_group(k, block_k)
-    grid = (triton.cdiv(rows, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"]),)
+    grid = (cdiv(rows, cfg["BLOCK_M"]) * cdiv(n, cfg["BLOCK_N"]),)
     _fp8_block_gemm_kernel[grid](
         xq, xs, weight, scale, bias if bias is not None else out, out, rows, n, k,
         xq.stride(0), weight.stride(0), out.stride(0), scale.stride(0), scale.stride(1) if scale.shape[1] > 1 else 0,

@@ -40,6 +40,7 @@ from armillary.kernels.triton.fp8_skinny import (WIDE_FOLD, fp8_row_products, fp
 from armillary.kernels.triton import moe as bf16_moe
 from armillary.kernels.triton.moe_align import moe_align
 from armillary.kernels.triton.pdl import pdl_prologue
+from armillary.kernels.triton.host import cdiv, next_power_of_2
 
 try:  # host-built TMA descriptors (Triton >= 3.4)
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -254,14 +255,14 @@ def _gemv_meta(k: int, block_n: int, block_k: int, bn: int, width: int) -> dict:
         raise ValueError(f"fp8 MoE GEMV: rows per program ({bn}) and tile width ({width}) must be powers of two, "
                          "the width at least 16")
     nsub, sub_k, scaled = k_layout(k, block_k, width)
-    tiles = triton.cdiv(k, nsub * sub_k)
+    tiles = cdiv(k, nsub * sub_k)
     return dict(GROUP_N=block_n, GROUP_K=block_k if scaled else 1 << 30, K_SCALED=scaled,
                 EVEN_K=k % (nsub * sub_k) == 0, K_TILES=tiles, BLOCK_N=bn, NSUB=nsub, SUB_K=sub_k)
 
 
 def gemv_config_key(num_experts: int, hidden: int, inter: int, top_k: int, tokens: int) -> str:
     """Tuning key: the expert shape, (token, expert) slots per token and tokens rounded up to a power of two."""
-    return f"e{num_experts}_h{hidden}_i{inter}_k{top_k}_t{triton.next_power_of_2(max(tokens, 1))}"
+    return f"e{num_experts}_h{hidden}_i{inter}_k{top_k}_t{next_power_of_2(max(tokens, 1))}"
 
 
 def gemv_config(num_experts: int, hidden: int, inter: int, top_k: int, tokens: int, device: torch.device) -> dict:
@@ -283,7 +284,7 @@ def gemv_up(x: torch.Tensor, w13: torch.Tensor, s13: torch.Tensor, block_n: int,
     bn = cfg["BLOCK_N1"]
     meta = _gemv_meta(w13.shape[2], block_n, block_k, bn, cfg["BLOCK_K1"])
     share = block_n % bn == 0 and (not gated or rows % bn == 0)  # every tile inside one scale row block
-    _gemv_up_kernel[(topk_ids.numel(), triton.cdiv(rows, bn))](
+    _gemv_up_kernel[(topk_ids.numel(), cdiv(rows, bn))](
         x, w13, s13, h, topk_ids, rows, w13.shape[2], x.stride(0), w13.stride(0), w13.stride(1), s13.stride(0),
         s13.stride(1), s13.stride(2) if s13.shape[2] > 1 else 0, h.stride(0), A_DIV=k, ROWS_SHARE=share,
         GATED=gated, ACT=act, STAGES=cfg["num_stages1"], num_warps=cfg["num_warps1"],
@@ -299,7 +300,7 @@ def gemv_down(h: torch.Tensor, w2: torch.Tensor, s2: torch.Tensor, block_n: int,
     hidden, inter = w2.shape[1], w2.shape[2]
     bn = cfg["BLOCK_N2"]
     meta = _gemv_meta(inter, block_n, block_k, bn, cfg["BLOCK_K2"])
-    _gemv_down_kernel[(t, triton.cdiv(hidden, bn))](
+    _gemv_down_kernel[(t, cdiv(hidden, bn))](
         h, w2, s2, out, topk_ids, weights, hidden, inter, h.stride(0), w2.stride(0), w2.stride(1), s2.stride(0),
         s2.stride(1), s2.stride(2) if s2.shape[2] > 1 else 0, out.stride(0), TOP_K=k,
         ROWS_SHARE=block_n % bn == 0, num_warps=cfg["num_warps2"], num_stages=cfg["num_stages2"], **meta,
@@ -338,7 +339,7 @@ def _grouped_gemm(aq: torch.Tensor, a_s: torch.Tensor, w: torch.Tensor, s: torch
     group = act_group(k, block_k)
     out = torch.empty(num_pairs, n, dtype=out_dtype, device=aq.device)
     bn, group_m = tile["BLOCK_N"], tile["GROUP_M"]
-    blocks, n_tiles = align.block_expert.shape[0], triton.cdiv(n, bn)
+    blocks, n_tiles = align.block_expert.shape[0], cdiv(n, bn)
     tma = use_tma(w, group, tile.get("TMA"))
     w_arg = TensorDescriptor.from_tensor(w.view(e * n, k), [bn, group]) if tma else w
     _grouped_kernel[(blocks * n_tiles,) if group_m > 0 else (blocks, n_tiles)](
@@ -392,7 +393,7 @@ def grouped_defaults(num_pairs: int, gpu: bool, block_m: int | None = None, num_
 def grouped_config_key(num_experts: int, hidden: int, inter: int, top_k: int, num_pairs: int) -> str:
     """Tuning key: the expert shape, slots per token and average rows per expert rounded up to a
     GROUPED_BUCKETS bucket (the last one takes everything above it)."""
-    avg = triton.cdiv(num_pairs, num_experts)
+    avg = cdiv(num_pairs, num_experts)
     bucket = next((b for b in GROUPED_BUCKETS if avg <= b), GROUPED_BUCKETS[-1])
     return f"e{num_experts}_h{hidden}_i{inter}_k{top_k}_r{bucket}"
 

@@ -35,6 +35,7 @@ from armillary.kernels.triton.device_buffers import ticket_buffer
 from armillary.kernels.triton.pdl import launch_options, pdl_prologue
 from armillary.kernels.triton.skinny_gemm import _sm_count
 from armillary.kernels.triton.split_k import split_k_epilogue
+from armillary.kernels.triton.host import cdiv, next_power_of_2
 
 DECODE_MAX_ROWS = 64  # up to this many rows stream W with unquantized activations
 WIDE_FOLD = tl.constexpr(2.0 ** 60)  # e4m3_to_f32_folded's 2^-120, paid back half on x, half on the sums
@@ -213,7 +214,7 @@ def _fp8_skinny_kernel(
 def k_layout(k: int, block_k: int, width: int) -> tuple[int, int, bool]:
     """(NSUB, SUB_K, K_SCALED) of a tile about ``width`` columns wide: SUB_K never straddles two weight
     scale columns (it is the weight's K block when the scale varies along K)."""
-    bk = min(width, max(16, triton.next_power_of_2(k)))
+    bk = min(width, max(16, next_power_of_2(k)))
     scaled = block_k < k
     if not scaled:
         return 1, bk, False
@@ -225,7 +226,7 @@ def k_layout(k: int, block_k: int, width: int) -> tuple[int, int, bool]:
 
 def config_key(rows: int, n: int, k: int) -> str:
     """Tuning-table key: exact (N, K) and the rows rounded up to a power of two (as skinny_gemm's)."""
-    return f"n{n}_k{k}_m{triton.next_power_of_2(max(rows, 1))}"
+    return f"n{n}_k{k}_m{next_power_of_2(max(rows, 1))}"
 
 
 def lookup_config(rows: int, n: int, k: int, device: torch.device | None = None) -> dict:
@@ -238,7 +239,7 @@ def decode_config(m: int, n: int, k: int, block_n: int, block_k: int, device: to
     cfg = lookup_config(m, n, k, device if on_gpu(device) else None)
     use_dot = m > 1
     if use_dot:
-        bm = max(16, triton.next_power_of_2(m))
+        bm = max(16, next_power_of_2(m))
         bn = cfg["DOT_BLOCK_N"] or (32 if m <= 16 else 64)
         width = cfg["DOT_BLOCK_K"]
     else:
@@ -246,17 +247,17 @@ def decode_config(m: int, n: int, k: int, block_n: int, block_k: int, device: to
     nsub, sub_k, scaled = k_layout(k, block_k, width)
     if use_dot:  # one scale per multi-row tile
         nsub = 1
-    tiles = triton.cdiv(n, bn) * triton.cdiv(m, bm)
-    k_blocks = triton.cdiv(k, nsub * sub_k)
+    tiles = cdiv(n, bn) * cdiv(m, bm)
+    k_blocks = cdiv(k, nsub * sub_k)
     split = cfg["split_k"]
     if not split:  # 144 tiles on 132 SMs would leave a near-empty second wave: split until ~target_waves
         want, split = cfg["target_waves"] * sm_count(device), 1
         per_split = max(1, cfg["dot_min_split_cols" if use_dot else "min_split_cols"] // (nsub * sub_k))
         while tiles * split < want and split * 2 * per_split <= k_blocks:
             split *= 2
-    k_tiles = triton.cdiv(k_blocks, max(1, min(split, k_blocks)))
+    k_tiles = cdiv(k_blocks, max(1, min(split, k_blocks)))
     return dict(USE_DOT=use_dot, BLOCK_M=bm, BLOCK_N=bn, NSUB=nsub, SUB_K=sub_k, K_SCALED=scaled,
-                K_TILES=k_tiles, split_k=triton.cdiv(k_blocks, k_tiles), fast_bf16=cfg["fast_bf16"],
+                K_TILES=k_tiles, split_k=cdiv(k_blocks, k_tiles), fast_bf16=cfg["fast_bf16"],
                 num_warps=cfg["dot_num_warps"] if use_dot else cfg["num_warps"],
                 num_stages=cfg["dot_num_stages"] if use_dot and on_gpu(device) else 1)
 
@@ -273,10 +274,10 @@ def fp8_skinny_gemm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, 
     width = cfg["NSUB"] * cfg["SUB_K"]
     split = cfg["split_k"]
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    tiles = triton.cdiv(n, cfg["BLOCK_N"]) * triton.cdiv(m, cfg["BLOCK_M"])
+    tiles = cdiv(n, cfg["BLOCK_N"]) * cdiv(m, cfg["BLOCK_M"])
     tickets = ticket_buffer(x.device, tiles)  # untouched without a split
     part = torch.empty(split if split > 1 else 1, m, n if split > 1 else 1, dtype=torch.float32, device=x.device)
-    grid = (triton.cdiv(n, cfg["BLOCK_N"]), triton.cdiv(m, cfg["BLOCK_M"]), split)
+    grid = (cdiv(n, cfg["BLOCK_N"]), cdiv(m, cfg["BLOCK_M"]), split)
     _fp8_skinny_kernel[grid](
         x, weight, scale, bias if bias is not None else out, out, part, tickets,
         m, n, k, x.stride(0), weight.stride(0), out.stride(0), scale.stride(0),

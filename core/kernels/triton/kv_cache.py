@@ -6,6 +6,7 @@ import triton
 import triton.language as tl
 
 from armillary.kernels.triton.fp8_cast import cache_value
+from armillary.kernels.triton.host import next_power_of_2
 
 
 @triton.jit
@@ -63,9 +64,9 @@ def write_kv_cache(
         raise ValueError("write_kv_cache: the head dim of k, v and the caches must be contiguous")
     if T == 0:
         return
-    block_d = triton.next_power_of_2(D)
-    block_dv = triton.next_power_of_2(Dv)
-    block_h = triton.next_power_of_2(Hkv)
+    block_d = next_power_of_2(D)
+    block_dv = next_power_of_2(Dv)
+    block_h = next_power_of_2(Hkv)
     _write_kv_kernel[(T,)](
         k, v, k_cache, v_cache, slot_mapping, k_scale if k_scale is not None else k,
         v_scale if v_scale is not None else v, k.stride(0), k.stride(1), v.stride(0), v.stride(1),

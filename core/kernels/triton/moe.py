@@ -27,6 +27,7 @@ from armillary.kernels.triton.moe_decode import (
 )
 from armillary.kernels.triton.moe_gemv import LOOP_STATIC, moe_gemv
 from armillary.kernels.tuning import kernel_config
+from armillary.kernels.triton.host import cdiv, next_power_of_2
 
 TUNING_PACKAGE = "armillary.kernels"
 _ACTIVATIONS = {"silu": ACT_SILU, "swish": ACT_SILU, "relu2": ACT_RELU2, "gelu_pytorch_tanh": ACT_GELU_TANH,
@@ -151,9 +152,9 @@ def sum_topk(pairs: torch.Tensor, top_k: int, out: torch.Tensor, weights: torch.
     num_tokens, n = out.shape
     if num_tokens == 0:
         return out
-    block = min(1024, triton.next_power_of_2(n))
+    block = min(1024, next_power_of_2(n))
     w = pairs if weights is None else weights.contiguous()  # unread when unweighted
-    _sum_topk_kernel[(num_tokens, triton.cdiv(n, block))](pairs, w, out, n, TOP_K=top_k, WEIGHTED=weights is not None,
+    _sum_topk_kernel[(num_tokens, cdiv(n, block))](pairs, w, out, n, TOP_K=top_k, WEIGHTED=weights is not None,
                                                           BLOCK_N=block)
     return out
 
@@ -174,13 +175,13 @@ def fit_element_size(cfg: dict, element_size: int) -> dict:
 
 def grouped_config_key(num_pairs: int, num_experts: int) -> str:
     """Tuning key: average rows per expert rounded up to a bucket of GROUPED_BUCKETS (``"r128"``)."""
-    avg = triton.cdiv(num_pairs, num_experts)
+    avg = cdiv(num_pairs, num_experts)
     return f"r{next((b for b in GROUPED_BUCKETS if avg <= b), GROUPED_BUCKETS[-1])}"
 
 
 def gemv_config_key(num_tokens: int) -> str:
     """Tuning key of the GEMV path: tokens rounded up to a power of two (``"t4"`` for 3)."""
-    return f"t{triton.next_power_of_2(num_tokens)}"
+    return f"t{next_power_of_2(num_tokens)}"
 
 
 def gemv_config(num_tokens: int, device: torch.device | None = None) -> dict:
@@ -189,7 +190,7 @@ def gemv_config(num_tokens: int, device: torch.device | None = None) -> dict:
 
 
 def decode_config(num_pairs: int, device: torch.device | None = None) -> dict:
-    pairs_pad = max(16, triton.next_power_of_2(num_pairs))
+    pairs_pad = max(16, next_power_of_2(num_pairs))
     return kernel_config(TUNING_PACKAGE, "fused_moe_decode", f"p{pairs_pad}", DECODE_DEFAULTS, device)
 
 
@@ -259,19 +260,19 @@ def fused_moe(
     precision = "ieee" if x.dtype == torch.float32 else "tf32"
     pairs_out = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)  # [T * k, H]
 
-    pairs_pad = max(16, triton.next_power_of_2(num_pairs))
+    pairs_pad = max(16, next_power_of_2(num_pairs))
     decode = decode_config(num_pairs, x.device)
     if path == "decode" or (path == "auto" and num_pairs <= decode["max_pairs"]):
         cfg = {**fit_element_size(decode, element_size), **(config or {})}
-        rows = max(16, triton.next_power_of_2(min(num_tokens, num_pairs)))  # most pairs one expert serves
+        rows = max(16, next_power_of_2(min(num_tokens, num_pairs)))  # most pairs one expert serves
         h = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)  # [T * k, I]
-        moe_decode_up_kernel[(num_pairs, triton.cdiv(inter, cfg["BLOCK_N1"]))](
+        moe_decode_up_kernel[(num_pairs, cdiv(inter, cfg["BLOCK_N1"]))](
             x, w13, ids, h, num_pairs, inter, hidden, inter, x.stride(0), w13.stride(0), w13.stride(1), h.stride(0),
             TOP_K=top_k, GATED=gated, ACTIVATION=act, EVEN_K=hidden % cfg["BLOCK_K1"] == 0, DOT_PRECISION=precision,
             PAIRS=pairs_pad, ROWS=rows, BLOCK_N=cfg["BLOCK_N1"], BLOCK_K=cfg["BLOCK_K1"],
             num_warps=cfg["num_warps1"], num_stages=cfg["num_stages1"],
         )  # fmt: skip
-        moe_decode_down_kernel[(num_pairs, triton.cdiv(hidden, cfg["BLOCK_N2"]))](
+        moe_decode_down_kernel[(num_pairs, cdiv(hidden, cfg["BLOCK_N2"]))](
             h, w2, ids, pair_weights, pairs_out, num_pairs, hidden, inter, h.stride(0), w2.stride(0), w2.stride(1),
             pairs_out.stride(0), EVEN_K=inter % cfg["BLOCK_K2"] == 0, DOT_PRECISION=precision,
             PAIRS=pairs_pad, ROWS=rows, BLOCK_N=cfg["BLOCK_N2"], BLOCK_K=cfg["BLOCK_K2"],
@@ -284,14 +285,14 @@ def fused_moe(
         h = torch.empty(align.max_blocks * align.block_m, inter, dtype=x.dtype, device=x.device)  # sorted rows
         common = (align.sorted_pair_ids, align.block_expert, align.expert_offsets, align.expert_counts)
         n1, n2 = cfg["BLOCK_N1"], cfg["BLOCK_N2"]
-        _grouped_gemm_kernel[(align.max_blocks * triton.cdiv(inter, n1),)](
+        _grouped_gemm_kernel[(align.max_blocks * cdiv(inter, n1),)](
             x, w13, h, pair_weights, *common, inter, hidden, inter, align.max_blocks,
             x.stride(0), w13.stride(0), w13.stride(1), h.stride(0),
             TOP_K=top_k, GATHER_TOKENS=True, GATED=gated, ACTIVATION=act, ROUTED_WEIGHT=False,
             EVEN_K=hidden % cfg["BLOCK_K1"] == 0, DOT_PRECISION=precision, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=n1,
             BLOCK_K=cfg["BLOCK_K1"], GROUP_M=cfg["GROUP_M"], num_warps=cfg["num_warps1"], num_stages=cfg["num_stages1"],
         )  # fmt: skip
-        _grouped_gemm_kernel[(align.max_blocks * triton.cdiv(hidden, n2),)](
+        _grouped_gemm_kernel[(align.max_blocks * cdiv(hidden, n2),)](
             h, w2, pairs_out, pair_weights, *common, hidden, inter, 0, align.max_blocks,
             h.stride(0), w2.stride(0), w2.stride(1), pairs_out.stride(0),
             TOP_K=top_k, GATHER_TOKENS=False, GATED=False, ACTIVATION=act, ROUTED_WEIGHT=True,

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+from armillary.kernels.triton.host import cdiv, next_power_of_2
 
 
 @dataclass(slots=True)
@@ -102,10 +103,10 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> MoeAlig
     block_expert = torch.empty(max_blocks, dtype=torch.int32, device=device)
     offsets = torch.empty(num_experts + 1, dtype=torch.int32, device=device)
     count_block = 256
-    _count_and_rank_kernel[(triton.cdiv(num_pairs, count_block),)](ids, counts, rank, num_pairs, BLOCK=count_block)
-    block_e = triton.next_power_of_2(num_experts)
+    _count_and_rank_kernel[(cdiv(num_pairs, count_block),)](ids, counts, rank, num_pairs, BLOCK=count_block)
+    block_e = next_power_of_2(num_experts)
     scatter_block = max(16, min(128, 8192 // block_e))  # keeps the one-hot tile near 8K elements
-    grid = (triton.cdiv(max(num_pairs, max_blocks), scatter_block),)
+    grid = (cdiv(max(num_pairs, max_blocks), scatter_block),)
     _scatter_kernel[grid](
         ids,
         counts,

@@ -25,6 +25,7 @@ import triton.language as tl
 
 from armillary.kernels.triton.moe_decode import _activation
 from armillary.kernels.triton.pdl import pdl_available, pdl_override
+from armillary.kernels.triton.host import cdiv, next_power_of_2
 
 try:  # programmatic dependent launch (Triton >= 3.3); only traced when a config asks for it
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
@@ -209,10 +210,10 @@ def gemv_up(x: torch.Tensor, w13: torch.Tensor, ids: torch.Tensor, h: torch.Tens
     """
     top_k = ids.shape[1]
     hidden, inter = x.shape[1], h.shape[1]
-    bn, bk = cfg["BLOCK_N1"], min(cfg["BLOCK_K1"], triton.next_power_of_2(hidden))
-    moe_gemv_up_kernel[(ids.numel(), triton.cdiv(inter, bn))](
+    bn, bk = cfg["BLOCK_N1"], min(cfg["BLOCK_K1"], next_power_of_2(hidden))
+    moe_gemv_up_kernel[(ids.numel(), cdiv(inter, bn))](
         x, w13, ids, h, inter, hidden, inter, x.stride(0), w13.stride(0), w13.stride(1), h.stride(0),
-        TOP_K=top_k, GATED=gated, ACTIVATION=activation, EVEN_K=hidden % bk == 0, K_TILES=triton.cdiv(hidden, bk),
+        TOP_K=top_k, GATED=gated, ACTIVATION=activation, EVEN_K=hidden % bk == 0, K_TILES=cdiv(hidden, bk),
         LOOP=cfg["LOOP1"], BLOCK_N=bn, BLOCK_K=bk, PDL=_pdl(cfg, x.device),
         num_warps=cfg["num_warps1"], num_stages=cfg["num_stages1"],
     )  # fmt: skip
@@ -226,12 +227,12 @@ def gemv_down(h: torch.Tensor, w2: torch.Tensor, ids: torch.Tensor, pair_weights
     """
     num_tokens, top_k = ids.shape
     hidden, inter = out.shape[1], h.shape[1]
-    bn, bk = cfg["BLOCK_N2"], min(cfg["BLOCK_K2"], triton.next_power_of_2(inter))
-    pair_block = min(cfg["PAIR_BLOCK"], triton.next_power_of_2(top_k))
+    bn, bk = cfg["BLOCK_N2"], min(cfg["BLOCK_K2"], next_power_of_2(inter))
+    pair_block = min(cfg["PAIR_BLOCK"], next_power_of_2(top_k))
     pdl = _pdl(cfg, out.device)
-    moe_gemv_down_kernel[(num_tokens, triton.cdiv(hidden, bn))](
+    moe_gemv_down_kernel[(num_tokens, cdiv(hidden, bn))](
         h, w2, ids, pair_weights, out, hidden, inter, h.stride(0), w2.stride(0), w2.stride(1), out.stride(0),
-        TOP_K=top_k, EVEN_K=inter % bk == 0, K_TILES=triton.cdiv(inter, bk), LOOP=cfg["LOOP2"],
+        TOP_K=top_k, EVEN_K=inter % bk == 0, K_TILES=cdiv(inter, bk), LOOP=cfg["LOOP2"],
         PAIR_BLOCK=pair_block, BLOCK_N=bn, BLOCK_K=bk, PDL=pdl,
         num_warps=cfg["num_warps2"], num_stages=cfg["num_stages2"], **({"launch_pdl": True} if pdl else {}),
     )  # fmt: skip

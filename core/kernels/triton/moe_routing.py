@@ -13,6 +13,7 @@ import triton
 import triton.language as tl
 
 from armillary.kernels.triton.pdl import launch_options, pdl_prologue
+from armillary.kernels.triton.host import next_power_of_2
 
 
 @triton.jit
@@ -133,7 +134,7 @@ def _route(
         shared_stride = shared.stride(0)
     else:
         shared, shared_stride = weights, 0
-    block_e = triton.next_power_of_2(num_experts)
+    block_e = next_power_of_2(num_experts)
     _route_kernel[(num_tokens,)](
         router_logits,
         bias if bias is not None else weights,
@@ -151,10 +152,10 @@ def _route(
         HAS_SHARED_GATE=shared_gate_logits is not None,
         RENORMALIZE=renormalize,
         BLOCK_E=block_e,
-        BLOCK_K=triton.next_power_of_2(width),
+        BLOCK_K=next_power_of_2(width),
         N_GROUP=n_group,
         TOPK_GROUP=topk_group,
-        BLOCK_G=triton.next_power_of_2(n_group),
+        BLOCK_G=next_power_of_2(n_group),
         num_warps=1 if block_e <= 1024 else 4,  # one warp: the k argmax reductions stay in registers
         **launch_options(router_logits.device),
     )

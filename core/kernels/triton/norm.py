@@ -11,6 +11,7 @@ import triton.language as tl
 
 from armillary.kernels.triton.pdl import launch_options, pdl_prologue
 from armillary.kernels.tuning import kernel_config
+from armillary.kernels.triton.host import cdiv, next_power_of_2
 
 TUNING_PACKAGE = "armillary.kernels"
 
@@ -128,9 +129,9 @@ def _launch(
     _, g_outer, g_inner = _rows_view(gate) if gate is not None else (1, 0, 0)
     if num_rows == 0:
         return out.view(shape), res_out
-    block_d = triton.next_power_of_2(dim)
+    block_d = next_power_of_2(dim)
     cfg = launch_config(block_d, x.device)
-    _rms_norm_kernel[(triton.cdiv(num_rows, cfg["ROWS"]),)](
+    _rms_norm_kernel[(cdiv(num_rows, cfg["ROWS"]),)](
         x, residual if residual is not None else x, gate if gate is not None else x, weight, out,
         res_out if res_out is not None else out, num_rows, dim, rows_inner, stride_outer, stride_inner,
         residual.stride(0) if residual is not None else 0, g_outer, g_inner, weight_groups, float(eps), HAS_RESIDUAL=residual is not None, HAS_GATE=gate is not None,

@@ -17,6 +17,7 @@ import triton.language as tl
 
 from armillary.kernels.triton.pdl import launch_options, pdl_prologue
 from armillary.kernels.tuning import kernel_config
+from armillary.kernels.triton.host import cdiv, next_power_of_2
 
 LOG2E = 1.4426950408889634
 MAX_SPLITS = 64
@@ -269,8 +270,8 @@ def _num_splits(programs: int, max_kv_len: int, cfg: dict, device: torch.device)
     target = _sm_count(device) * cfg["target_waves"]
     if programs >= target:
         return 1
-    by_work = max(1, triton.cdiv(max_kv_len, cfg["split_min_tokens"]))
-    return max(1, min(triton.cdiv(target, programs), by_work, MAX_SPLITS))
+    by_work = max(1, cdiv(max_kv_len, cfg["split_min_tokens"]))
+    return max(1, min(cdiv(target, programs), by_work, MAX_SPLITS))
 
 
 def _check_inputs(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor) -> None:
@@ -307,7 +308,7 @@ def _launch(
     max_kv = max_seq_len if max_seq_len is not None else block_tables.shape[1] * page
     if sliding_window:
         max_kv = min(max_kv, sliding_window + max_query_len - 1)
-    q_tiles = triton.cdiv(max_query_len, block_q)
+    q_tiles = cdiv(max_query_len, block_q)
     splits = _num_splits(q_tiles * B * Hkv, max_kv, cfg, q.device)
     if splits > 1:
         part_out = torch.empty(T, Hq, splits, Dv, device=q.device, dtype=torch.float32)
@@ -322,17 +323,17 @@ def _launch(
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0), out.stride(0), out.stride(1),
         gate_arg.stride(0), gate_arg.stride(1), NUM_HEADS=Hq, GROUP=Hq // Hkv, HEAD_DIM=D, HEAD_DIM_V=Dv,
-        BLOCK_D=triton.next_power_of_2(D), BLOCK_DV=triton.next_power_of_2(Dv),
+        BLOCK_D=next_power_of_2(D), BLOCK_DV=next_power_of_2(Dv),
         BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=cfg["BLOCK_N"], PAGE=page, SPLIT_KV=splits > 1, DECODE=decode,
         USE_WINDOW=bool(sliding_window), USE_SOFTCAP=use_softcap,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", HAS_GATE=gate is not None,
         KV_SCALED=k_scale is not None, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **launch_options(q.device),
     )
     if splits > 1:
-        block_s = max(16, triton.next_power_of_2(splits))
+        block_s = max(16, next_power_of_2(splits))
         # columns a program: at most 8K fp32 partials in registers (D 512 x 64 splits spilled as one tile)
-        block_dv = min(triton.next_power_of_2(Dv), max(16, 8192 // block_s))
-        _combine_splits_kernel[(T, Hq, triton.cdiv(Dv, block_dv))](
+        block_dv = min(next_power_of_2(Dv), max(16, 8192 // block_s))
+        _combine_splits_kernel[(T, Hq, cdiv(Dv, block_dv))](
             part_out, part_lse, out, gate_arg, splits, out.stride(0), out.stride(1), gate_arg.stride(0),
             gate_arg.stride(1), NUM_HEADS=Hq, HEAD_DIM_V=Dv, BLOCK_DV=block_dv,
             BLOCK_S=block_s, HAS_GATE=gate is not None, num_warps=4,
@@ -342,7 +343,7 @@ def _launch(
 
 
 def _shape_key(head_dim: int) -> str:
-    return f"d{max(64, triton.next_power_of_2(head_dim))}"
+    return f"d{max(64, next_power_of_2(head_dim))}"
 
 
 def fit_element_size(cfg: dict, element_size: int) -> dict:
@@ -394,7 +395,7 @@ def paged_attention_decode(
     """
     group = q.shape[1] // k_cache.shape[2]
     cfg = _config("paged_attention_decode", DECODE_DEFAULTS, q, k_cache, config)
-    block_m = max(16, triton.next_power_of_2(group))
+    block_m = max(16, next_power_of_2(group))
     return _launch(q, k_cache, v_cache, block_tables, seq_lens, None, scale, sliding_window, softcap,
                    1, max_seq_len, out, cfg, block_m, 1, True, gate, k_scale, v_scale)
 
@@ -431,11 +432,11 @@ def paged_attention_prefill(
     if max_query_len * group < pcfg["BLOCK_M"]:
         # few queries per sequence: decode-shaped tiles, key splits where the grid is small
         cfg = _config("paged_attention_decode", DECODE_DEFAULTS, q, k_cache, config)
-        block_m = max(16, triton.next_power_of_2(max_query_len * group))
+        block_m = max(16, next_power_of_2(max_query_len * group))
     else:
         cfg = pcfg
         block_m = pcfg["BLOCK_M"]
-    block_m = max(block_m, triton.next_power_of_2(group))
+    block_m = max(block_m, next_power_of_2(group))
     block_q = block_m // group
     return _launch(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, sliding_window, softcap,
                    max(1, max_query_len), max_seq_len, out, cfg, block_m, block_q, False, gate, k_scale, v_scale)

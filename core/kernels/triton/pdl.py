@@ -70,10 +70,14 @@ def _decide(device: torch.device, env: str) -> bool:
     return bool(kernel_config("armillary.kernels", "pdl", table_key, {"enabled": True}, device)["enabled"])
 
 
+_ON, _OFF = {"PDL": True, "launch_pdl": True}, {"PDL": False}
+
+
 def launch_options(device: torch.device) -> dict:
-    """Extra launch keywords for a kernel with a ``PDL`` constexpr: ``PDL`` itself and ``launch_pdl``."""
-    on = pdl_enabled(device)
-    return {"PDL": on, "launch_pdl": True} if on else {"PDL": False}
+    """Extra launch keywords for a kernel with a ``PDL`` constexpr: ``PDL`` itself and ``launch_pdl``.
+
+    One shared dict per answer: callers unpack it (``**launch_options(device)``), never change it."""
+    return _ON if pdl_enabled(device) else _OFF
 
 
 @triton.jit

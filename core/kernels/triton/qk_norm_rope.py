@@ -16,6 +16,7 @@ import triton.language as tl
 
 from armillary.kernels.triton.fp8_cast import cache_value
 from armillary.kernels.triton.pdl import launch_options, pdl_prologue
+from armillary.kernels.triton.host import cdiv, next_power_of_2
 
 
 @triton.jit
@@ -113,7 +114,7 @@ def _heads_per_program(num_tokens: int, num_heads: int, block_d: int) -> int:
     long prefills, so programs move ~1024 elements and fewer tiny ones are scheduled."""
     if num_tokens <= 64:
         return 1
-    return max(1, min(triton.next_power_of_2(num_heads), 1024 // block_d))
+    return max(1, min(next_power_of_2(num_heads), 1024 // block_d))
 
 
 def qk_norm_rope_store(
@@ -160,9 +161,9 @@ def qk_norm_rope_store(
     out = torch.empty(T, Hq, D, dtype=q.dtype, device=q.device)
     if T == 0:
         return out
-    block_d, block_dv = triton.next_power_of_2(D), triton.next_power_of_2(Dv)
+    block_d, block_dv = next_power_of_2(D), next_power_of_2(Dv)
     heads = _heads_per_program(T, Hq, max(block_d, block_dv))
-    groups = triton.cdiv(Hq, heads) + triton.cdiv(Hkv, heads)
+    groups = cdiv(Hq, heads) + cdiv(Hkv, heads)
     _qk_norm_rope_store_kernel[(T, groups)](
         q, k, v, out, k_cache, v_cache, slot_mapping, q_weight, k_weight, cos, sin,
         k_scale if k_scale is not None else cos, v_scale if v_scale is not None else cos,

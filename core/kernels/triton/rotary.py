@@ -11,6 +11,7 @@ import triton
 import triton.language as tl
 
 from armillary.kernels.rotary import rotary_cos_sin
+from armillary.kernels.triton.host import next_power_of_2
 
 
 @triton.jit
@@ -85,8 +86,8 @@ def _launch(
         q, k_arg, positions if positions is not None else cos, cos, sin, cos.stride(0),
         q.stride(0), q.stride(1), k_arg.stride(0), k_arg.stride(1), q.shape[1], k_arg.shape[1], half,
         HAS_POSITIONS=positions is not None, HAS_K=k is not None, INTERLEAVED=interleaved,
-        BLOCK_HQ=triton.next_power_of_2(q.shape[1]), BLOCK_HK=triton.next_power_of_2(k_arg.shape[1]),
-        BLOCK_HALF=triton.next_power_of_2(half), num_warps=4 if q.shape[1] * half >= 1024 else 2,
+        BLOCK_HQ=next_power_of_2(q.shape[1]), BLOCK_HK=next_power_of_2(k_arg.shape[1]),
+        BLOCK_HALF=next_power_of_2(half), num_warps=4 if q.shape[1] * half >= 1024 else 2,
     )  # fmt: skip
 
 

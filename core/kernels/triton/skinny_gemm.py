@@ -25,6 +25,7 @@ from armillary.kernels import tuning
 from armillary.kernels.triton.device_buffers import ticket_buffer
 from armillary.kernels.triton.pdl import launch_options, pdl_prologue
 from armillary.kernels.triton.split_k import split_k_epilogue
+from armillary.kernels.triton.host import cdiv, next_power_of_2
 
 TUNING_PACKAGE = "armillary.kernels"
 KERNEL = "skinny_gemm"
@@ -114,7 +115,7 @@ def skinny_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
 
 def config_key(rows: int, n: int, k: int) -> str:
     """Tuning-table key: exact (N, K) and the rows rounded up to a power of two."""
-    return f"n{n}_k{k}_m{triton.next_power_of_2(max(rows, 1))}"
+    return f"n{n}_k{k}_m{next_power_of_2(max(rows, 1))}"
 
 
 def lookup_config(rows: int, n: int, k: int, device: torch.device | None = None) -> dict:
@@ -150,15 +151,15 @@ def _sm_count(device: torch.device) -> int:
 def _launch_shape(cfg: dict, rows: int, n: int, k: int, element_size: int, device: torch.device) -> dict:
     """Block sizes, path and split count of one launch from its (merged) config."""
     use_dot = cfg["path"] == "dot" or (cfg["path"] == "auto" and rows > 1)
-    block_m = cfg["BLOCK_M"] or min(triton.next_power_of_2(rows), 16)
+    block_m = cfg["BLOCK_M"] or min(next_power_of_2(rows), 16)
     block_n, block_k = cfg["BLOCK_N"], cfg["BLOCK_K"]
     if element_size > 2:  # same bytes per tile as the 2-byte configs the tables hold
         block_k = max(16, block_k * 2 // element_size)
     if use_dot:  # tl.dot needs every dim >= 16
         block_m, block_n, block_k = max(block_m, 16), max(block_n, 16), max(block_k, 16)
-    block_k = min(block_k, max(16, triton.next_power_of_2(k)))
-    tiles = triton.cdiv(n, block_n) * triton.cdiv(rows, block_m)
-    k_blocks = triton.cdiv(k, block_k)
+    block_k = min(block_k, max(16, next_power_of_2(k)))
+    tiles = cdiv(n, block_n) * cdiv(rows, block_m)
+    k_blocks = cdiv(k, block_k)
     split = cfg["split_k"]
     if not split:  # enough programs for target_waves per SM, each keeping >= 2 K blocks
         want = cfg["target_waves"] * _sm_count(device)
@@ -166,8 +167,8 @@ def _launch_shape(cfg: dict, rows: int, n: int, k: int, element_size: int, devic
         while tiles * split * 2 <= want and split * 4 <= k_blocks:
             split *= 2
     split = max(1, min(split, k_blocks, _MAX_SPLITS))
-    blocks_per_split = triton.cdiv(k_blocks, split)
-    split = triton.cdiv(k_blocks, blocks_per_split)  # no empty splits
+    blocks_per_split = cdiv(k_blocks, split)
+    split = cdiv(k_blocks, blocks_per_split)  # no empty splits
     return dict(USE_DOT=use_dot, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, split_k=split,
                 blocks_per_split=blocks_per_split, tiles=tiles)
 
@@ -197,7 +198,7 @@ def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     # the split branch is compiled whatever split_k is: it gets fp32 / int32 pointers either way
     part = torch.empty(split if split > 1 else 1, rows, n if split > 1 else 1, dtype=torch.float32,
                        device=x.device)
-    grid = (triton.cdiv(n, launch["BLOCK_N"]), triton.cdiv(rows, launch["BLOCK_M"]), split)
+    grid = (cdiv(n, launch["BLOCK_N"]), cdiv(rows, launch["BLOCK_M"]), split)
     _skinny_gemm_kernel[grid](
         x, weight, bias if bias is not None else out, out, part, tickets,
         rows, n, k, x.stride(0), weight.stride(0), out.stride(0), launch["blocks_per_split"], split,

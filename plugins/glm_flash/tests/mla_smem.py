@@ -23,10 +23,9 @@ from triton.runtime.jit import JITFunction  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "bench"))
 import smem_check  # noqa: E402
 
-import triton  # noqa: E402
-
 from armillary_glm_flash.ops import norm_gemv, router, router_topk  # noqa: E402
 from armillary_glm_flash.ops.mla import absorb, decode, expand  # noqa: E402
+from armillary.kernels.triton.host import next_power_of_2  # noqa: E402
 
 # the sm_90 table's norm_gemv launches (this CPU reads no sm_90 table by itself)
 NORM_GEMV = json.loads((Path(norm_gemv.__file__).parents[1] / "tuning" / "sm_90.json").read_text())["norm_gemv"]
@@ -64,7 +63,7 @@ def main() -> None:
             for groups in ({}, {"n_group": 8, "topk_group": 4}):
                 router_topk.router_topk(torch.zeros(rows, 2048, dtype=bf16), torch.zeros(64, 2048), torch.zeros(64),
                                         4, True, 1.8, 1, **groups)
-            m = triton.next_power_of_2(rows)
+            m = next_power_of_2(rows)
             norm_gemv.norm_gemv(torch.zeros(rows, 768, dtype=bf16), torch.ones(768, dtype=bf16), 1e-6,
                                 torch.zeros(5120, 768, dtype=bf16), config=NORM_GEMV[f"n5120_k768_m{m}"])
     target = smem_check.TARGETS["sm_90"]

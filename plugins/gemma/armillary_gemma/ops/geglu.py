@@ -12,6 +12,7 @@ import triton.language as tl
 
 from armillary.kernels.triton.pdl import launch_options, pdl_prologue
 from armillary.kernels.tuning import kernel_config
+from armillary.kernels.triton.host import cdiv, next_power_of_2
 
 DEFAULTS = {"any": {"BLOCK": 1024, "num_warps": 4}}
 
@@ -40,8 +41,8 @@ def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
     if rows == 0:
         return out
     cfg = kernel_config("armillary_gemma", "gelu_tanh_and_mul", "any", DEFAULTS["any"], x.device)
-    block = min(cfg["BLOCK"], triton.next_power_of_2(inter))
-    _gelu_tanh_and_mul_kernel[(rows, triton.cdiv(inter, block))](x, out, inter, x.stride(0), out.stride(0),
+    block = min(cfg["BLOCK"], next_power_of_2(inter))
+    _gelu_tanh_and_mul_kernel[(rows, cdiv(inter, block))](x, out, inter, x.stride(0), out.stride(0),
                                                                  BLOCK=block, num_warps=cfg["num_warps"],
                                                                  **launch_options(x.device))
     return out

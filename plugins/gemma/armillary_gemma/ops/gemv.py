@@ -21,6 +21,7 @@ import triton.language as tl
 
 from armillary.kernels import ops, tuning
 from armillary.kernels.triton.pdl import launch_options, pdl_prologue
+from armillary.kernels.triton.host import cdiv, next_power_of_2
 
 KERNEL = "gemma_gemv"
 KINDS = ("geglu", "softcap")
@@ -74,7 +75,7 @@ def _gemma_gemv_kernel(x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, stride_wn, str
 
 def config(kind: str, rows: int, n: int, k: int, device: torch.device | None = None) -> dict:
     """The launch config of ``kind`` for [rows, k] x [n, k] from the plugin's tables over ``DEFAULTS``."""
-    key = f"{kind}_n{n}_k{k}_m{triton.next_power_of_2(max(rows, 1))}"
+    key = f"{kind}_n{n}_k{k}_m{next_power_of_2(max(rows, 1))}"
     return tuning.kernel_config("armillary_gemma", KERNEL, key, DEFAULTS, device)
 
 
@@ -106,10 +107,10 @@ def gemma_gemv(kind: str, x: torch.Tensor, weight: torch.Tensor, cap: float | No
     if rows == 0:
         return out
     cfg = config(kind, rows, n, k, x.device)
-    row_block = triton.next_power_of_2(rows)
+    row_block = next_power_of_2(rows)
     block_k = cfg["BLOCK_K"] or (512 if row_block == 1 else 64)
-    block_k = min(block_k, max(16, triton.next_power_of_2(k)))
-    _gemma_gemv_kernel[(triton.cdiv(n, cfg["BLOCK_N"]),)](
+    block_k = min(block_k, max(16, next_power_of_2(k)))
+    _gemma_gemv_kernel[(cdiv(n, cfg["BLOCK_N"]),)](
         x, weight, out, rows, n, k, x.stride(0), weight.stride(0), out.stride(0), float(cap or 1.0),
         GEGLU=geglu, SOFTCAP=not geglu, ROWS=row_block, BLOCK_N=cfg["BLOCK_N"], BLOCK_K=block_k,
         EVEN_K=k % block_k == 0, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],

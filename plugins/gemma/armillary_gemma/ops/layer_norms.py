@@ -18,6 +18,7 @@ import triton.language as tl
 
 from armillary.kernels import ops
 from armillary.kernels.triton.pdl import launch_options, pdl_prologue
+from armillary.kernels.triton.host import cdiv, next_power_of_2
 
 ROUTER_EXPERTS = 4  # router logits a program (Gemma-4-26B-A4B: 128 experts, 32 programs a row)
 ROUTER_MAX_ROWS = 8  # decode sizes fold the router GEMV into the norms; longer steps keep the GEMM
@@ -136,9 +137,9 @@ def attn_out_norms_triton(a: torch.Tensor, residual: torch.Tensor, w_post: torch
     if moe:
         router_out = residual.new_empty(rows, experts) if router else torch.empty_like(residual)
     if rows:
-        block = triton.next_power_of_2(dim)
-        per_program = min(ROUTER_EXPERTS, triton.next_power_of_2(max(experts, 1)))
-        grid = (rows, triton.cdiv(experts, per_program) if router else 1)
+        block = next_power_of_2(dim)
+        per_program = min(ROUTER_EXPERTS, next_power_of_2(max(experts, 1)))
+        grid = (rows, cdiv(experts, per_program) if router else 1)
         _attn_out_norms_kernel[grid](
             a, residual, w_post, w_pre, w_pre2 if moe else w_pre, router_scale if moe else w_pre,
             router_weight if router else w_pre, mlp_in, expert_in if moe else mlp_in,
@@ -156,7 +157,7 @@ def layer_tail_triton(m: torch.Tensor, e: torch.Tensor | None, residual: torch.T
     x = torch.empty_like(residual)
     nxt = torch.empty_like(residual) if w_next is not None else None
     if rows:
-        block = triton.next_power_of_2(dim)
+        block = next_power_of_2(dim)
         moe = e is not None
         _layer_tail_kernel[(rows,)](
             m, e if moe else m, residual, w1 if moe else w_ff, w2 if moe else w_ff, w_ff,

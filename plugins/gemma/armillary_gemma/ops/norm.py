@@ -14,6 +14,7 @@ import triton.language as tl
 
 from armillary.kernels import ops
 from armillary.kernels.triton.pdl import launch_options, pdl_prologue
+from armillary.kernels.triton.host import next_power_of_2
 
 
 @triton.jit
@@ -46,7 +47,7 @@ def norm_add_norm_triton(h: torch.Tensor, residual: torch.Tensor, w1: torch.Tens
     rows, dim = h.shape
     out, r_out = torch.empty_like(h), torch.empty_like(residual)
     if rows:
-        block = triton.next_power_of_2(dim)
+        block = next_power_of_2(dim)
         _norm_add_norm_kernel[(rows,)](h, residual, w1, w2, out, r_out, dim, h.stride(0), residual.stride(0), eps,
                                        ZERO_CENTERED=zero_centered, BLOCK=block, num_warps=8 if block >= 4096 else 4,
                                        **launch_options(h.device))

@@ -18,6 +18,7 @@ from armillary.forward_batch import ForwardBatch, KVCache
 from armillary.kernels import ops
 from armillary.kernels.triton.fp8_cast import cache_value
 from armillary.kernels.triton.pdl import launch_options, pdl_prologue
+from armillary.kernels.triton.host import cdiv, next_power_of_2
 
 
 @triton.jit
@@ -111,9 +112,9 @@ def qkv_norm_rope_store_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     out = torch.empty(T, Hq, D, dtype=q.dtype, device=q.device)
     if T == 0:
         return out
-    block_d = triton.next_power_of_2(D)
-    heads = 1 if T <= 64 else max(1, min(triton.next_power_of_2(Hq), 1024 // block_d))  # decode: most programs
-    groups = triton.cdiv(Hq, heads) + triton.cdiv(Hkv, heads)
+    block_d = next_power_of_2(D)
+    heads = 1 if T <= 64 else max(1, min(next_power_of_2(Hq), 1024 // block_d))  # decode: most programs
+    groups = cdiv(Hq, heads) + cdiv(Hkv, heads)
     _qkv_norm_rope_store_kernel[(T, groups)](
         q, k, v, out, k_cache, v_cache, slot_mapping, q_weight.contiguous(), k_weight.contiguous(), cos, sin,
         k_scale if k_scale is not None else cos, v_scale if v_scale is not None else cos,

@@ -13,6 +13,7 @@ import triton.language as tl
 
 from armillary.kernels import ops
 from armillary.kernels.triton.pdl import launch_options, pdl_prologue
+from armillary.kernels.triton.host import next_power_of_2
 
 
 @triton.jit
@@ -54,10 +55,10 @@ def gemma4_route_triton(logits: torch.Tensor, per_expert_scale: torch.Tensor,
     weights = torch.empty(tokens, top_k, dtype=torch.float32, device=logits.device)
     ids = torch.empty(tokens, top_k, dtype=torch.int32, device=logits.device)
     if tokens:
-        block_e = triton.next_power_of_2(experts)
+        block_e = next_power_of_2(experts)
         _gemma4_route_kernel[(tokens,)](logits, per_expert_scale.contiguous(), weights, ids, experts,
                                         logits.stride(0), TOP_K=top_k, BLOCK_E=block_e,
-                                        BLOCK_K=triton.next_power_of_2(top_k),
+                                        BLOCK_K=next_power_of_2(top_k),
                                         num_warps=1 if block_e <= 1024 else 4, **launch_options(logits.device))
     return weights, ids
 

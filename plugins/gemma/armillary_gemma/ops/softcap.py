@@ -11,6 +11,7 @@ import triton
 import triton.language as tl
 
 from armillary.kernels import ops
+from armillary.kernels.triton.host import cdiv
 
 BLOCK = 2048
 
@@ -33,7 +34,7 @@ def softcap_triton(logits: torch.Tensor, cap: float) -> torch.Tensor:
     rows, cols = logits.shape
     out = torch.empty(rows, cols, dtype=torch.float32, device=logits.device)
     if rows and cols:
-        _softcap_kernel[(rows, triton.cdiv(cols, BLOCK))](logits, out, cols, logits.stride(0), float(cap),
+        _softcap_kernel[(rows, cdiv(cols, BLOCK))](logits, out, cols, logits.stride(0), float(cap),
                                                           BLOCK=BLOCK, num_warps=4)
     return out
 

@@ -19,6 +19,7 @@ import triton.language as tl
 
 from armillary.kernels import ops, tuning
 from armillary.kernels.triton.pdl import launch_options, pdl_prologue
+from armillary.kernels.triton.host import cdiv, next_power_of_2
 
 PACKAGE = "armillary_glm_flash"
 KERNEL = "norm_gemv"
@@ -73,7 +74,7 @@ def _norm_gemv_kernel(x_ptr, nw_ptr, w_ptr, out_ptr, M, N, K, stride_xm, stride_
 
 def norm_gemv_config(rows: int, n: int, k: int, device: torch.device | None = None) -> dict:
     """The launch config for [rows, k] x [n, k] from the plugin's tables over ``DEFAULTS``."""
-    key = f"n{n}_k{k}_m{triton.next_power_of_2(max(rows, 1))}"
+    key = f"n{n}_k{k}_m{next_power_of_2(max(rows, 1))}"
     return tuning.kernel_config(PACKAGE, KERNEL, key, DEFAULTS, device)
 
 
@@ -110,11 +111,11 @@ def norm_gemv(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: to
         return out
     cfg = {**norm_gemv_config(rows, n, k, x.device), **(config or {})}
     use_dot = cfg["path"] == "dot"
-    row_block = max(16, triton.next_power_of_2(rows)) if use_dot else triton.next_power_of_2(rows)
+    row_block = max(16, next_power_of_2(rows)) if use_dot else next_power_of_2(rows)
     block_n = max(16, cfg["BLOCK_N"]) if use_dot else cfg["BLOCK_N"]
     block_k = cfg["BLOCK_K"] if row_block == 1 or use_dot else min(cfg["BLOCK_K"], 64)  # [BN, rows, BK] in registers
-    block_k = min(block_k, max(16, triton.next_power_of_2(k)))
-    _norm_gemv_kernel[(triton.cdiv(n, block_n),)](
+    block_k = min(block_k, max(16, next_power_of_2(k)))
+    _norm_gemv_kernel[(cdiv(n, block_n),)](
         x, norm_weight, weight, out, rows, n, k, x.stride(0), weight.stride(0), out.stride(0), float(eps),
         ROWS=row_block, BLOCK_N=block_n, BLOCK_K=block_k, USE_DOT=use_dot,
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", EVEN_K=k % block_k == 0,

@@ -13,6 +13,7 @@ import triton
 import triton.language as tl
 
 from armillary.kernels.tuning import kernel_config
+from armillary.kernels.triton.host import cdiv, next_power_of_2
 
 PACKAGE = "armillary_glm_flash"
 MAX_ROWS = 64
@@ -50,14 +51,14 @@ def _router_logits_kernel(x_ptr, w_ptr, out_ptr, rows, E, K, stride_xt, stride_w
 def router_config(num_experts: int, hidden: int, rows: int, device: torch.device) -> dict:
     """Launch config: defaults, then the tuning tables' ``router_logits`` entry for this shape and rows
     (rounded up to a power of two)."""
-    key = f"e{num_experts}_k{hidden}_m{triton.next_power_of_2(max(rows, 1))}"
+    key = f"e{num_experts}_k{hidden}_m{next_power_of_2(max(rows, 1))}"
     return kernel_config(PACKAGE, "router_logits", key, DEFAULTS, device)
 
 
 def logits_blocks(cfg: dict, rows: int, k: int) -> tuple[int, int, int]:
     """(BLOCK_T, BLOCK_E, BLOCK_K) of a logits launch from its config."""
-    block_t = min(triton.next_power_of_2(rows), 4)  # [BT, BE, BK] products stay within a few registers a lane
-    return block_t, cfg["BLOCK_E"], min(cfg["BLOCK_K"], triton.next_power_of_2(k))
+    block_t = min(next_power_of_2(rows), 4)  # [BT, BE, BK] products stay within a few registers a lane
+    return block_t, cfg["BLOCK_E"], min(cfg["BLOCK_K"], next_power_of_2(k))
 
 
 def router_logits_ref(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -78,7 +79,7 @@ def router_logits(x: torch.Tensor, weight: torch.Tensor, config: dict | None = N
         return out
     cfg = dict(router_config(experts, k, rows, x.device) if config is None else config)
     block_t, block_e, block_k = logits_blocks(cfg, rows, k)
-    grid = (triton.cdiv(experts, block_e), triton.cdiv(rows, block_t))
+    grid = (cdiv(experts, block_e), cdiv(rows, block_t))
     _router_logits_kernel[grid](x, weight, out, rows, experts, k, x.stride(0), weight.stride(0), out.stride(0),
                                 BLOCK_T=block_t, BLOCK_E=block_e, BLOCK_K=block_k, num_warps=cfg["num_warps"],
                                 num_stages=cfg["num_stages"])

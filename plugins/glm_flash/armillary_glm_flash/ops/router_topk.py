@@ -22,6 +22,7 @@ from armillary.kernels import tuning
 from armillary.kernels.triton.device_buffers import ticket_buffer
 from armillary.kernels.triton.pdl import launch_options, pdl_prologue
 from armillary_glm_flash.ops.router import logits_blocks, logits_tile, router_config
+from armillary.kernels.triton.host import cdiv, next_power_of_2
 
 MAX_ROWS = 8  # decode-sized: the last program routes every row, so its [rows, E] tiles stay small
 PACKAGE = "armillary_glm_flash"
@@ -141,12 +142,12 @@ def router_topk(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, top_k
     cfg = dict(router_config(experts, k, rows, x.device) if config is None else config)
     block_t, block_e, block_k = logits_blocks(cfg, rows, k)
     logits = torch.empty(rows, experts, dtype=torch.float32, device=x.device)  # the programs' hand-over
-    grid = (triton.cdiv(experts, block_e), triton.cdiv(rows, block_t))
+    grid = (cdiv(experts, block_e), cdiv(rows, block_t))
     _router_topk_kernel[grid](
         x, weight, bias, logits, weights, ids, ticket_buffer(x.device, 1), rows, experts, k, x.stride(0),
         weight.stride(0), float(scaling), BLOCK_T=block_t, BLOCK_E=block_e, BLOCK_K=block_k,
-        ROWS=triton.next_power_of_2(rows), ALL_E=triton.next_power_of_2(experts), TOP_K=top_k,
+        ROWS=next_power_of_2(rows), ALL_E=next_power_of_2(experts), TOP_K=top_k,
         NUM_SHARED=num_shared, RENORMALIZE=renormalize, N_GROUP=n_group, TOPK_GROUP=topk_group,
-        BLOCK_G=triton.next_power_of_2(n_group), BLOCK_SLOTS=triton.next_power_of_2(width),
+        BLOCK_G=next_power_of_2(n_group), BLOCK_SLOTS=next_power_of_2(width),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **launch_options(x.device))
     return weights, ids

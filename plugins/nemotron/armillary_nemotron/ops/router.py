@@ -22,6 +22,7 @@ import triton
 import triton.language as tl
 
 from armillary.kernels.tuning import kernel_config
+from armillary.kernels.triton.host import cdiv, next_power_of_2
 
 TUNING_PACKAGE = "armillary_nemotron"
 KERNEL = "router_gemm"
@@ -101,7 +102,7 @@ def _router_dot_kernel(x_ptr, w_ptr, out_ptr, T, E, K, stride_x, stride_w, strid
 
 def router_config(rows: int, device: torch.device | None = None) -> dict:
     """Launch config for ``rows`` tokens: key ``t{rows rounded up to 2^i}`` (``t1024`` and up share one)."""
-    rows_p2 = min(triton.next_power_of_2(max(rows, 1)), 1024)
+    rows_p2 = min(next_power_of_2(max(rows, 1)), 1024)
     defaults = FMA_DEFAULTS if rows_p2 <= 8 else DOT_MID if rows_p2 <= 256 else DOT_WIDE
     return kernel_config(TUNING_PACKAGE, KERNEL, f"t{rows_p2}", defaults, device)
 
@@ -127,11 +128,11 @@ def launch(x: torch.Tensor, weight: torch.Tensor, cfg: dict, fma: bool) -> torch
     out = torch.empty(rows, experts, dtype=torch.float32, device=x.device)
     if rows == 0:
         return out
-    block_t, block_e = cfg["BLOCK_T"] or triton.next_power_of_2(rows), cfg["BLOCK_E"]
-    block_k = min(cfg["BLOCK_K"], max(16, triton.next_power_of_2(k)))
+    block_t, block_e = cfg["BLOCK_T"] or next_power_of_2(rows), cfg["BLOCK_E"]
+    block_k = min(cfg["BLOCK_K"], max(16, next_power_of_2(k)))
     if not fma:  # tl.dot wants every dim >= 16
         block_t, block_e, block_k = max(block_t, 16), max(block_e, 16), max(block_k, 16)
-    grid = (triton.cdiv(experts, block_e), triton.cdiv(rows, block_t))
+    grid = (cdiv(experts, block_e), cdiv(rows, block_t))
     kernel = _router_fma_kernel if fma else _router_dot_kernel
     kernel[grid](x, weight, out, rows, experts, k, x.stride(0), weight.stride(0), out.stride(0), BLOCK_T=block_t,
                  BLOCK_E=block_e, BLOCK_K=block_k, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])

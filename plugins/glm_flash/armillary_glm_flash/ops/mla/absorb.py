@@ -17,6 +17,7 @@ import triton.language as tl
 
 from armillary.kernels.tuning import kernel_config
 from armillary_glm_flash.ops.mla.rope_store import check_rope_store, rope_store_meta, rope_store_token
+from armillary.kernels.triton.host import cdiv, next_power_of_2
 
 PACKAGE = "armillary_glm_flash"
 DEFAULTS = {"BLOCK_D": 64, "BLOCK_K": 64, "num_warps": 4, "num_stages": 2}
@@ -72,7 +73,7 @@ def _mla_absorb_kernel(
 def absorb_config(num_heads: int, nope: int, kv_lora_rank: int, rows: int, device: torch.device) -> dict:
     """Launch config: defaults, then the tuning tables' ``mla_absorb`` entry for this head count, widths and
     rows (rounded up to a power of two)."""
-    key = f"h{num_heads}_n{nope}_d{kv_lora_rank}_m{triton.next_power_of_2(max(rows, 1))}"
+    key = f"h{num_heads}_n{nope}_d{kv_lora_rank}_m{next_power_of_2(max(rows, 1))}"
     return kernel_config(PACKAGE, "mla_absorb", key, DEFAULTS, device)
 
 
@@ -89,9 +90,9 @@ def _launch(q: torch.Tensor, w_uk: torch.Tensor, nope: int, store: tuple | None,
     cfg = dict(absorb_config(heads, nope, dl, rows, q.device) if config is None else config)
     use_dot = rows > 1
     block_m = 16 if use_dot else 1  # tl.dot needs 16 rows
-    block_k = min(cfg["BLOCK_K"], max(16, triton.next_power_of_2(nope)))
-    block_d = min(cfg["BLOCK_D"], triton.next_power_of_2(dl))
-    programs = heads * triton.cdiv(rows, block_m) * triton.cdiv(dl, block_d)
+    block_k = min(cfg["BLOCK_K"], max(16, next_power_of_2(nope)))
+    block_d = min(cfg["BLOCK_D"], next_power_of_2(dl))
+    programs = heads * cdiv(rows, block_m) * cdiv(dl, block_d)
     if store is None:  # absorb only: the store arguments are placeholders the kernel never reads
         ckv = norm_w = cos = sin = slots = kv = q
         strides, eps, interleaved, meta = (0, 0, 0), 0.0, False, dict(DR=0, BLOCK_DL=1, BLOCK_HALF=1, BLOCK_H=1)

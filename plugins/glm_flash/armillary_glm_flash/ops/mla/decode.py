@@ -20,6 +20,7 @@ import triton
 import triton.language as tl
 
 from armillary.kernels.tuning import kernel_config
+from armillary.kernels.triton.host import cdiv, next_power_of_2
 
 LOG2E = 1.4426950408889634
 MAX_SPLITS = 64
@@ -148,8 +149,8 @@ def num_splits_for(batch: int, head_blocks: int, max_seq_len: int, cfg: dict, de
     target = _sm_count(device) * cfg["target_waves"]
     if programs >= target:
         return 1
-    by_work = max(1, triton.cdiv(max_seq_len, cfg["split_min_tokens"]))
-    return max(1, min(triton.cdiv(target, programs), by_work, MAX_SPLITS))
+    by_work = max(1, cdiv(max_seq_len, cfg["split_min_tokens"]))
+    return max(1, min(cdiv(target, programs), by_work, MAX_SPLITS))
 
 
 @dataclass(slots=True)
@@ -179,11 +180,11 @@ def decode_partials(q_lat: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tensor, b
         raise ValueError("mla_decode: block_tables must be int32")
     out = q_lat.new_empty(batch, heads, dl)
     cfg = dict(decode_config(heads, dl, dr, q_lat.device) if config is None else config)
-    min_tiles = max(1, triton.cdiv(cfg.get("split_live_min_tokens", 0), cfg["BLOCK_N"]))
+    min_tiles = max(1, cdiv(cfg.get("split_live_min_tokens", 0), cfg["BLOCK_N"]))
     if batch == 0:
         return Partials(out, out, out, 1, cfg["BLOCK_N"], min_tiles)
-    block_h = max(16, min(cfg["BLOCK_H"], triton.next_power_of_2(heads)))  # tl.dot needs 16 rows
-    head_blocks = triton.cdiv(heads, block_h)
+    block_h = max(16, min(cfg["BLOCK_H"], next_power_of_2(heads)))  # tl.dot needs 16 rows
+    head_blocks = cdiv(heads, block_h)
     splits = num_splits or num_splits_for(batch, head_blocks, max_seq_len, cfg, q_lat.device)
     part_out = part_lse = out  # unused without splits
     if splits > 1:
@@ -194,7 +195,7 @@ def decode_partials(q_lat: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tensor, b
         q_lat, q_pe, kv, block_tables, seq_lens, part_out, part_lse, out,
         q_lat.stride(0), q_lat.stride(1), q_pe.stride(0), q_pe.stride(1), kv.stride(0), kv.stride(1),
         block_tables.stride(0), out.stride(0), out.stride(1), heads, splits, min_tiles, scale * LOG2E,
-        DL=dl, DR=dr, BLOCK_DL=triton.next_power_of_2(dl), BLOCK_DR=max(16, triton.next_power_of_2(dr)),
+        DL=dl, DR=dr, BLOCK_DL=next_power_of_2(dl), BLOCK_DR=max(16, next_power_of_2(dr)),
         BLOCK_H=block_h, BLOCK_N=cfg["BLOCK_N"], PAGE=kv.shape[1], SPLIT=splits > 1, DOT_PRECISION=precision,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
@@ -213,7 +214,7 @@ def mla_decode(q_lat: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tensor, block_
     if p.splits > 1 and batch > 0:
         _mla_combine_kernel[(batch, heads)](
             p.part_out, p.part_lse, seq_lens, p.out, heads, p.splits, p.min_tiles, p.block_n, p.out.stride(0),
-            p.out.stride(1), DL=dl, BLOCK_DL=triton.next_power_of_2(dl),
-            BLOCK_S=max(16, triton.next_power_of_2(p.splits)), num_warps=4,
+            p.out.stride(1), DL=dl, BLOCK_DL=next_power_of_2(dl),
+            BLOCK_S=max(16, next_power_of_2(p.splits)), num_warps=4,
         )
     return p.out

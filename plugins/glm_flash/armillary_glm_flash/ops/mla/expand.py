@@ -19,6 +19,7 @@ import triton.language as tl
 from armillary.kernels.tuning import kernel_config
 from armillary_glm_flash.ops.mla.decode import Partials, decode_partials, live_splits, mla_decode
 from armillary_glm_flash.ops.mla.naive import expand_values
+from armillary.kernels.triton.host import cdiv, next_power_of_2
 
 PACKAGE = "armillary_glm_flash"
 # use: this fused combine + W_UV launch, else mla_decode then a per-head bmm (the sm_90 table keeps it where the
@@ -86,7 +87,7 @@ def _mla_expand_kernel(
 def expand_config(num_heads: int, v_dim: int, kv_lora_rank: int, rows: int, device: torch.device) -> dict:
     """Launch config: defaults, then the tuning tables' ``mla_expand`` entry for this head count, widths and
     rows (rounded up to a power of two)."""
-    key = f"h{num_heads}_v{v_dim}_d{kv_lora_rank}_m{triton.next_power_of_2(max(rows, 1))}"
+    key = f"h{num_heads}_v{v_dim}_d{kv_lora_rank}_m{next_power_of_2(max(rows, 1))}"
     return kernel_config(PACKAGE, "mla_expand", key, DEFAULTS, device)
 
 
@@ -119,12 +120,12 @@ def mla_expand(w_uv: torch.Tensor, rows: int, lat: torch.Tensor | None = None, p
     cfg = dict(expand_config(heads, v_dim, dl, rows, w_uv.device) if config is None else config)
     use_dot = rows > 1
     block_m = 16 if use_dot else 1  # tl.dot needs 16 rows
-    block_s = triton.next_power_of_2(splits) if split else 1
-    block_v = min(cfg["BLOCK_V"], max(16, triton.next_power_of_2(v_dim)))
+    block_s = next_power_of_2(splits) if split else 1
+    block_v = min(cfg["BLOCK_V"], max(16, next_power_of_2(v_dim)))
     # K step: the [rows, splits, K] partial tile within ``tile_elements`` values (at least 16: tl.dot)
-    block_k = triton.next_power_of_2(max(16, cfg["tile_elements"] // (block_m * block_s)))
-    block_k = min(block_k, max(16, triton.next_power_of_2(dl)))
-    grid = (heads * triton.cdiv(v_dim, block_v), triton.cdiv(rows, block_m))
+    block_k = next_power_of_2(max(16, cfg["tile_elements"] // (block_m * block_s)))
+    block_k = min(block_k, max(16, next_power_of_2(dl)))
+    grid = (heads * cdiv(v_dim, block_v), cdiv(rows, block_m))
     _mla_expand_kernel[grid](
         lat, part_out, part_lse, seq_lens, w_uv, out, rows, heads, splits, min_tiles, block_n,
         lat.stride(0), lat.stride(1), w_uv.stride(0), w_uv.stride(1), out.stride(0),

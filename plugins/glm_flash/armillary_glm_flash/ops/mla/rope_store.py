@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from armillary.kernels.triton.host import next_power_of_2
 
 
 @triton.jit
@@ -90,8 +91,8 @@ def check_rope_store(q: torch.Tensor, ckv: torch.Tensor, weight: torch.Tensor, c
 
 def rope_store_meta(q: torch.Tensor, dl: int, dr: int) -> dict:
     """The rope-store constexprs of a launch."""
-    return dict(NOPE=q.shape[2] - dr, DL=dl, DR=dr, BLOCK_DL=triton.next_power_of_2(dl),
-                BLOCK_HALF=max(1, triton.next_power_of_2(dr // 2)), BLOCK_H=triton.next_power_of_2(q.shape[1]))
+    return dict(NOPE=q.shape[2] - dr, DL=dl, DR=dr, BLOCK_DL=next_power_of_2(dl),
+                BLOCK_HALF=max(1, next_power_of_2(dr // 2)), BLOCK_H=next_power_of_2(q.shape[1]))
 
 
 def mla_rope_store(q: torch.Tensor, ckv: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tensor,

@@ -37,6 +37,7 @@ import triton.language as tl
 
 from armillary.kernels.triton.device_buffers import device_buffer, ticket_buffer
 from armillary.kernels.tuning import kernel_config
+from armillary.kernels.triton.host import cdiv, next_power_of_2
 
 TUNING_PACKAGE = "armillary_nemotron"
 # split_p: 0 walks each group in one program; a power of two splits every head in blocks of that many state rows
@@ -218,7 +219,7 @@ def _mamba_decode_split_kernel(
 def decode_config(batch: int, head_dim: int, n_state: int, device: torch.device, config: dict | None = None) -> dict:
     """The launch config for ``batch`` tokens: defaults, the table's "default" and ``p{P}_n{N}`` entries
     (a ``"by_batch"`` map {"max batch": overrides} applies its smallest key >= batch), then ``config``."""
-    key = f"p{triton.next_power_of_2(head_dim)}_n{triton.next_power_of_2(n_state)}"
+    key = f"p{next_power_of_2(head_dim)}_n{next_power_of_2(n_state)}"
     cfg = kernel_config(TUNING_PACKAGE, "mamba_decode", key, DECODE_DEFAULTS, device)
     by_batch = cfg.pop("by_batch", None) or {}
     fits = [int(limit) for limit in by_batch if int(limit) >= batch]
@@ -260,8 +261,8 @@ def mamba_decode_step(xbc: torch.Tensor, z: torch.Tensor, dt: torch.Tensor, conv
         return out
     cfg = decode_config(num_seqs, head_dim, n_state, xbc.device, config)
     hpg = heads // groups
-    common = dict(GROUPS=groups, HPG=hpg, P=head_dim, N=n_state, KW=kw, KW_P2=triton.next_power_of_2(kw),
-                  HAS_BIAS=conv_bias is not None, BLOCK_N=triton.next_power_of_2(n_state), num_warps=cfg["num_warps"])
+    common = dict(GROUPS=groups, HPG=hpg, P=head_dim, N=n_state, KW=kw, KW_P2=next_power_of_2(kw),
+                  HAS_BIAS=conv_bias is not None, BLOCK_N=next_power_of_2(n_state), num_warps=cfg["num_warps"])
     args = (xbc, z, dt, conv_weight, conv_bias if conv_bias is not None else conv_weight, conv_states, A_log, D, dt_bias,
             norm_weight, ssm_states, state_slots, out)
     strides = (xbc.stride(0), z.stride(0), dt.stride(0), conv_weight.stride(0), conv_states.stride(0),
@@ -270,18 +271,18 @@ def mamba_decode_step(xbc: torch.Tensor, z: torch.Tensor, dt: torch.Tensor, conv
     if split_p:
         if split_p & (split_p - 1):
             raise ValueError(f"mamba_decode_step: split_p {split_p} is not a power of two")
-        block_p = min(split_p, triton.next_power_of_2(head_dim))
-        n_blocks = triton.cdiv(head_dim, block_p)
+        block_p = min(split_p, next_power_of_2(head_dim))
+        n_blocks = cdiv(head_dim, block_p)
         tickets = ticket_buffer(xbc.device, num_seqs * groups)
         scratch = device_buffer("mamba_decode_rows", xbc.device, num_seqs * (d_inner + heads * n_blocks),
                                 torch.float32, zeroed=False)
         rows, partials = scratch, scratch[num_seqs * d_inner:]  # [B, H·P] gated rows, then [B, H, NP] sums
         _mamba_decode_split_kernel[(num_seqs, heads, n_blocks)](
             *args, tickets, rows, partials, *strides, BLOCK_P=block_p, NP=n_blocks,
-            PARTS_P2=triton.next_power_of_2(hpg * n_blocks), BLOCK_G=triton.next_power_of_2(hpg * head_dim), **common,
+            PARTS_P2=next_power_of_2(hpg * n_blocks), BLOCK_G=next_power_of_2(hpg * head_dim), **common,
         )
         return out
     _mamba_decode_kernel[(num_seqs, groups)](
-        *args, *strides, BLOCK_H=triton.next_power_of_2(hpg), BLOCK_P=triton.next_power_of_2(head_dim), **common,
+        *args, *strides, BLOCK_H=next_power_of_2(hpg), BLOCK_P=next_power_of_2(head_dim), **common,
     )
     return out

@@ -12,6 +12,7 @@ import triton
 import triton.language as tl
 
 from armillary.kernels.tuning import kernel_config
+from armillary.kernels.triton.host import cdiv, next_power_of_2
 
 TUNING_PACKAGE = "armillary_nemotron"
 NORM_DEFAULTS = {"ROWS": 4, "num_warps": 4}
@@ -47,10 +48,10 @@ def gated_group_norm(y: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps
     out = torch.empty(num_rows, dim, dtype=y.dtype, device=y.device)
     if num_rows == 0:
         return out
-    block_g = triton.next_power_of_2(group_size)
+    block_g = next_power_of_2(group_size)
     cfg = {**kernel_config(TUNING_PACKAGE, "mamba_gated_norm", f"g{block_g}", NORM_DEFAULTS, y.device),
            **(config or {})}
-    grid = (triton.cdiv(num_rows, cfg["ROWS"]), dim // group_size)
+    grid = (cdiv(num_rows, cfg["ROWS"]), dim // group_size)
     _gated_group_norm_kernel[grid](y, z, weight, out, num_rows, y.stride(0), z.stride(0), out.stride(0), float(eps),
                                    GROUP=group_size, BLOCK_G=block_g, ROWS=cfg["ROWS"], num_warps=cfg["num_warps"])
     return out

@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from armillary.kernels.triton.host import cdiv, next_power_of_2
 
 
 @triton.jit
@@ -177,23 +178,23 @@ def ssd_chunked_scan(x: torch.Tensor, B: torch.Tensor, C: torch.Tensor, dt: torc
     n_state = ssm_states.shape[-1]
     groups = B.shape[1] // n_state
     chunk = int(cfg["CHUNK"])
-    max_chunks = triton.cdiv(num_tokens, chunk) + num_seqs + 1  # >= Σ cdiv(len, CHUNK) + 2 over the sequences
+    max_chunks = cdiv(num_tokens, chunk) + num_seqs + 1  # >= Σ cdiv(len, CHUNK) + 2 over the sequences
     # scratch: each chunk's contribution, overwritten with the state entering it; its total log decay
     contrib = torch.empty(max_chunks, heads, head_dim, n_state, dtype=torch.float32, device=x.device)
     decay = torch.empty(max_chunks, heads, dtype=torch.float32, device=x.device)
-    block_n = max(16, triton.next_power_of_2(n_state))
-    block_s = max(16, triton.next_power_of_2(num_seqs))
-    block_p = min(cfg["BLOCK_P"], max(16, triton.next_power_of_2(head_dim)))
+    block_n = max(16, next_power_of_2(n_state))
+    block_s = max(16, next_power_of_2(num_seqs))
+    block_p = min(cfg["BLOCK_P"], max(16, next_power_of_2(head_dim)))
     shape = dict(HEADS=heads, P=head_dim, N=n_state, CHUNK=chunk, BLOCK_N=block_n, BLOCK_S=block_s)
     precision = "ieee" if x.dtype == torch.float32 else "tf32"
     launch = dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
-    grid = (max_chunks, heads, triton.cdiv(head_dim, block_p))
+    grid = (max_chunks, heads, cdiv(head_dim, block_p))
     _chunk_state_kernel[grid](
         x, B, dt, A_log, dt_bias, cu_seqlens, contrib, decay, num_seqs, x.stride(0), dt.stride(0), float(dt_min),
         HEADS_PER_GROUP=heads // groups, BLOCK_P=block_p, PRECISION=precision, **shape, **launch,
     )
-    pass_p = min(int(cfg["PASS_P"]), triton.next_power_of_2(head_dim))
-    _state_pass_kernel[(num_seqs, heads, triton.cdiv(head_dim, pass_p))](
+    pass_p = min(int(cfg["PASS_P"]), next_power_of_2(head_dim))
+    _state_pass_kernel[(num_seqs, heads, cdiv(head_dim, pass_p))](
         ssm_states, state_slots, cu_seqlens, contrib, decay, num_seqs, ssm_states.stride(0), BLOCK_P=pass_p, **shape,
         num_warps=cfg["pass_warps"],
     )

@@ -17,6 +17,7 @@ import triton
 import triton.language as tl
 
 from armillary.kernels.tuning import kernel_config
+from armillary.kernels.triton.host import cdiv, next_power_of_2
 
 TUNING_PACKAGE = "armillary_nemotron"
 # PASS_P / pass_warps: the chunked path's state hand-over; chunked_min_tokens: the smallest batch it takes
@@ -122,13 +123,13 @@ def ssd_chunk_scan(x: torch.Tensor, B: torch.Tensor, C: torch.Tensor, dt: torch.
 
         return ssd_chunked_scan(x, B, C, dt, A_log, D, dt_bias, dt_min, cu_seqlens, ssm_states, state_slots, heads,
                                 head_dim, y, cfg)
-    block_p = min(cfg["BLOCK_P"], max(16, triton.next_power_of_2(head_dim)))
-    grid = (num_seqs, heads, triton.cdiv(head_dim, block_p))
+    block_p = min(cfg["BLOCK_P"], max(16, next_power_of_2(head_dim)))
+    grid = (num_seqs, heads, cdiv(head_dim, block_p))
     _ssd_scan_kernel[grid](
         x, B, C, dt, A_log, D, dt_bias, ssm_states, state_slots, cu_seqlens, y,
         x.stride(0), dt.stride(0), y.stride(0), ssm_states.stride(0), float(dt_min),
         HEADS_PER_GROUP=heads // groups, P=head_dim, N=n_state, CHUNK=cfg["CHUNK"], BLOCK_P=block_p,
-        BLOCK_N=max(16, triton.next_power_of_2(n_state)),
+        BLOCK_N=max(16, next_power_of_2(n_state)),
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )

@@ -27,6 +27,7 @@ from armillary.kernels.triton.device_buffers import device_buffer, ticket_buffer
 from armillary.kernels.triton.pdl import launch_options, pdl_prologue
 from armillary.kernels.tuning import kernel_config
 from armillary_nemotron.ops.mamba.decode import TUNING_PACKAGE, _window_write, decode_config, mamba_decode_step
+from armillary.kernels.triton.host import cdiv, next_power_of_2
 
 
 @triton.jit
@@ -189,7 +190,7 @@ def verify_config(batch: int, head_dim: int, n_state: int, device: torch.device,
     """The decode step's launch config at ``batch`` sequences (the same grid), overlaid by the table's
     "mamba_verify" entries where it has them (the decode's format: "default", ``p{P}_n{N}``, "by_batch"),
     then ``config``."""
-    key = f"p{triton.next_power_of_2(head_dim)}_n{triton.next_power_of_2(n_state)}"
+    key = f"p{next_power_of_2(head_dim)}_n{next_power_of_2(n_state)}"
     cfg = kernel_config(TUNING_PACKAGE, "mamba_verify", key, decode_config(batch, head_dim, n_state, device), device)
     by_batch = cfg.pop("by_batch", None) or {}
     fits = [int(limit) for limit in by_batch if int(limit) >= batch]
@@ -249,11 +250,11 @@ def mamba_verify_step(xbc: torch.Tensor, z: torch.Tensor, dt: torch.Tensor, conv
         return out
     steps, hpg = drafts + 1, heads // groups
     cfg = verify_config(batch, head_dim, n_state, xbc.device, config)
-    split_p = int(cfg["split_p"]) or triton.next_power_of_2(head_dim)  # 0 (the decode's group walk): whole heads
+    split_p = int(cfg["split_p"]) or next_power_of_2(head_dim)  # 0 (the decode's group walk): whole heads
     if split_p & (split_p - 1):
         raise ValueError(f"mamba_verify_step: split_p {split_p} is not a power of two")
-    block_p = min(split_p, triton.next_power_of_2(head_dim))
-    n_blocks = triton.cdiv(head_dim, block_p)
+    block_p = min(split_p, next_power_of_2(head_dim))
+    n_blocks = cdiv(head_dim, block_p)
     tickets = ticket_buffer(xbc.device, batch * groups)
     scratch = device_buffer("mamba_verify_rows", xbc.device, num_rows * (d_inner + heads * n_blocks), torch.float32,
                             zeroed=False)
@@ -263,9 +264,9 @@ def mamba_verify_step(xbc: torch.Tensor, z: torch.Tensor, dt: torch.Tensor, conv
         norm_weight, ssm_states, state_slots, spec_rows, out, tickets, rows, partials,
         xbc.stride(0), z.stride(0), dt.stride(0), conv_weight.stride(0), conv_states.stride(0), ssm_states.stride(0),
         out.stride(0), spec_rows.stride(0), spec_rows.stride(1), float(dt_min), float(eps),
-        GROUPS=groups, HPG=hpg, P=head_dim, N=n_state, KW=kw, KW_P2=triton.next_power_of_2(kw),
-        HAS_BIAS=conv_bias is not None, BLOCK_P=block_p, BLOCK_N=triton.next_power_of_2(n_state), NP=n_blocks,
-        PARTS_P2=triton.next_power_of_2(hpg * n_blocks), BLOCK_G=triton.next_power_of_2(hpg * head_dim), STEPS=steps,
+        GROUPS=groups, HPG=hpg, P=head_dim, N=n_state, KW=kw, KW_P2=next_power_of_2(kw),
+        HAS_BIAS=conv_bias is not None, BLOCK_P=block_p, BLOCK_N=next_power_of_2(n_state), NP=n_blocks,
+        PARTS_P2=next_power_of_2(hpg * n_blocks), BLOCK_G=next_power_of_2(hpg * head_dim), STEPS=steps,
         num_warps=cfg["num_warps"], **launch_options(xbc.device),
     )
     return out

@@ -12,12 +12,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-import triton
 
 from armillary.kernels.triton.varlen import device_offsets, host_bounds, varlen_chunks
 from armillary.kernels.tuning import kernel_config
 from armillary_qwen_gdn_moe.ops.gated_delta_rule.chunk_intra import chunk_intra_kernel, l2norm_qk_kernel
 from armillary_qwen_gdn_moe.ops.gated_delta_rule.chunk_state import chunk_output_kernel, chunk_state_kernel
+from armillary.kernels.triton.host import cdiv, next_power_of_2
 
 CHUNK = 64
 CHUNK_DEFAULTS = {
@@ -36,7 +36,7 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
 
 
 def _launch_config(head_k: int, head_v: int, device: torch.device, override: dict | None) -> dict:
-    key = f"k{triton.next_power_of_2(head_k)}_v{triton.next_power_of_2(head_v)}"
+    key = f"k{next_power_of_2(head_k)}_v{next_power_of_2(head_v)}"
     return {**kernel_config("armillary_qwen_gdn_moe", "gdn_chunk", key, CHUNK_DEFAULTS, device), **(override or {})}
 
 
@@ -79,12 +79,12 @@ def _chunk_forward(
     cfg = _launch_config(head_k, head_v, device, config)
     dtype = q.dtype
     precision = "ieee" if dtype == torch.float32 else "tf32"
-    bk, bv = triton.next_power_of_2(head_k), triton.next_power_of_2(head_v)
+    bk, bv = next_power_of_2(head_k), next_power_of_2(head_v)
     q, k, v = _rows(q), _rows(k), _rows(v)
     if use_qk_l2norm and total:
         qn = torch.empty(q.shape, dtype=dtype, device=device)
         kn = torch.empty(k.shape, dtype=dtype, device=device)
-        l2norm_qk_kernel[(triton.cdiv(total, cfg["norm_block_t"]), num_k_heads)](
+        l2norm_qk_kernel[(cdiv(total, cfg["norm_block_t"]), num_k_heads)](
             q, k, qn, kn, q.stride(0), k.stride(0), total,
             H=num_k_heads, K=head_k, BK=bk, BLOCK_T=cfg["norm_block_t"], num_warps=cfg["norm_warps"],
         )
@@ -108,7 +108,7 @@ def _chunk_forward(
     chunk_states = torch.empty(chunks.num_chunks, num_v_heads, head_k, head_v, dtype=dtype, device=device)
     deltas = torch.empty_like(u)
     state_bv = min(cfg["state_bv"], bv)
-    chunk_state_kernel[(triton.cdiv(head_v, state_bv), num_seqs * num_v_heads)](
+    chunk_state_kernel[(cdiv(head_v, state_bv), num_seqs * num_v_heads)](
         k, w, u, g_cum, cu, chunks.first_chunk,
         initial_state if initial_state is not None else final_state, final_state,
         state_index if state_index is not None else cu, chunk_states, deltas, k.stride(0),
@@ -120,7 +120,7 @@ def _chunk_forward(
     if not chunks.num_chunks:
         return o
     out_bv = min(cfg["out_bv"], bv)
-    chunk_output_kernel[(triton.cdiv(head_v, out_bv), chunks.num_chunks, num_v_heads)](
+    chunk_output_kernel[(cdiv(head_v, out_bv), chunks.num_chunks, num_v_heads)](
         q, k, deltas, chunk_states, g_cum, cu, chunks.table, o, q.stride(0), k.stride(0),
         head_k**-0.5 if scale is None else scale,
         BK=min(cfg["out_bk"], bk), BV=out_bv, **dims,

@@ -30,6 +30,7 @@ import triton.language as tl
 from armillary.kernels.triton.device_buffers import device_buffer, ticket_buffer
 from armillary.kernels.triton.pdl import launch_options, pdl_prologue
 from armillary.kernels.tuning import kernel_config
+from armillary.kernels.triton.host import cdiv, next_power_of_2
 
 # split_bv: 0 walks each key head's value heads in one program; a power of two splits V in BV columns
 DECODE_DEFAULTS = {"num_warps": 4, "split_bv": 0}
@@ -281,7 +282,7 @@ def decode_config(batch: int, head_k_dim: int, head_v_dim: int, device: torch.de
                   config: dict | None = None) -> dict:
     """The launch config for ``batch`` tokens: defaults, then the tuning table's entry (its
     ``"by_batch"`` map {"max batch": overrides} applies the smallest key >= batch), then ``config``."""
-    bk, bv = triton.next_power_of_2(head_k_dim), triton.next_power_of_2(head_v_dim)
+    bk, bv = next_power_of_2(head_k_dim), next_power_of_2(head_v_dim)
     cfg = kernel_config("armillary_qwen_gdn_moe", "gdn_decode", f"k{bk}_v{bv}", DECODE_DEFAULTS, device)
     by_batch = cfg.pop("by_batch", None) or {}
     fits = [int(limit) for limit in by_batch if int(limit) >= batch]
@@ -346,13 +347,13 @@ def fused_gdn_decode(
     if batch == 0:
         return out
     cfg = decode_config(batch, head_k_dim, head_v_dim, mixed.device, config)
-    bk, bv_row = triton.next_power_of_2(head_k_dim), triton.next_power_of_2(head_v_dim)
+    bk, bv_row = next_power_of_2(head_k_dim), next_power_of_2(head_v_dim)
     split_bv = int(cfg["split_bv"])
     if split_bv:
         if split_bv & (split_bv - 1):
             raise ValueError(f"fused_gdn_decode: split_bv {split_bv} is not a power of two")
         bv = min(split_bv, bv_row)
-        nv = triton.cdiv(head_v_dim, bv)
+        nv = cdiv(head_v_dim, bv)
         grid = (batch, num_v_heads, nv)
         tickets = ticket_buffer(mixed.device, batch * num_k_heads)
         scratch = device_buffer("gdn_decode_rows", mixed.device, batch * num_v_heads * (head_v_dim + nv), torch.float32,
@@ -369,7 +370,7 @@ def fused_gdn_decode(
         mixed.stride(0), conv_weight.stride(0), conv_states.stride(0), ssm_states.stride(0), out.stride(0),
         eps, head_k_dim**-0.5,
         NUM_K_HEADS=num_k_heads, GROUP=num_v_heads // num_k_heads, K=head_k_dim, V=head_v_dim,
-        KW=kw, KW_P2=triton.next_power_of_2(kw), BK=bk, BV=bv, SPLIT=bool(split_bv), NV=nv,
-        NV_P2=triton.next_power_of_2(nv), BV_ROW=bv_row, num_warps=cfg["num_warps"], **launch_options(mixed.device),
+        KW=kw, KW_P2=next_power_of_2(kw), BK=bk, BV=bv, SPLIT=bool(split_bv), NV=nv,
+        NV_P2=next_power_of_2(nv), BV_ROW=bv_row, num_warps=cfg["num_warps"], **launch_options(mixed.device),
     )
     return out

@@ -19,6 +19,7 @@ import triton.language as tl
 from armillary.kernels.triton.device_buffers import device_buffer, ticket_buffer
 from armillary.kernels.triton.pdl import launch_options, pdl_prologue
 from armillary_qwen_gdn_moe.ops.gated_delta_rule.fused_recurrent import _gates, decode_config, normalise_rows
+from armillary.kernels.triton.host import cdiv, next_power_of_2
 
 
 @triton.jit
@@ -184,12 +185,12 @@ def fused_gdn_verify(
     if batch == 0:
         return out
     cfg = decode_config(batch, head_k_dim, head_v_dim, mixed.device, config)
-    bk, bv_row = triton.next_power_of_2(head_k_dim), triton.next_power_of_2(head_v_dim)
+    bk, bv_row = next_power_of_2(head_k_dim), next_power_of_2(head_v_dim)
     split_bv = int(cfg["split_bv"]) or bv_row  # the key-head walk's one program per key head: a whole row here
     if split_bv & (split_bv - 1):
         raise ValueError(f"fused_gdn_verify: split_bv {split_bv} is not a power of two")
     bv = min(split_bv, bv_row)
-    nv = triton.cdiv(head_v_dim, bv)
+    nv = cdiv(head_v_dim, bv)
     tickets = ticket_buffer(mixed.device, batch * num_k_heads)
     scratch = device_buffer("gdn_verify_rows", mixed.device, batch * steps * num_v_heads * (head_v_dim + nv),
                             torch.float32, zeroed=False)
@@ -200,7 +201,7 @@ def fused_gdn_verify(
         mixed.stride(0), conv_weight.stride(0), conv_states.stride(0), ssm_states.stride(0), out.stride(0),
         eps, head_k_dim**-0.5,
         NUM_K_HEADS=num_k_heads, GROUP=num_v_heads // num_k_heads, K=head_k_dim, V=head_v_dim, KW=kw,
-        BK=bk, BV=bv, NV=nv, NV_P2=triton.next_power_of_2(nv), BV_ROW=bv_row, STEPS=steps,
+        BK=bk, BV=bv, NV=nv, NV_P2=next_power_of_2(nv), BV_ROW=bv_row, STEPS=steps,
         num_warps=cfg["num_warps"], **launch_options(mixed.device),
     )
     return out

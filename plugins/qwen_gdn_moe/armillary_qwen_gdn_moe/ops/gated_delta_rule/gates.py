@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from armillary.kernels.triton.host import cdiv, next_power_of_2
 
 
 @triton.jit
@@ -42,8 +43,8 @@ def gdn_gates(b: torch.Tensor, a: torch.Tensor, A_log: torch.Tensor, dt_bias: to
     beta = torch.empty(num_tokens, heads, dtype=b.dtype, device=b.device)
     g = torch.empty(num_tokens, heads, dtype=torch.float32, device=b.device)
     if num_tokens:
-        _gates_kernel[(triton.cdiv(num_tokens, block_t),)](
+        _gates_kernel[(cdiv(num_tokens, block_t),)](
             b, a, A_log, dt_bias, beta, g, num_tokens, b.stride(0), a.stride(0),
-            HV=heads, BLOCK_T=block_t, BLOCK_H=triton.next_power_of_2(heads), num_warps=4,
+            HV=heads, BLOCK_T=block_t, BLOCK_H=next_power_of_2(heads), num_warps=4,
         )
     return beta, g
