@@ -14,9 +14,9 @@ import torch
 import triton
 import triton.language as tl
 
+from armillary.kernels.triton.host import cdiv, next_power_of_2
 from armillary.kernels.tuning import kernel_config
 from armillary.kernels.triton.varlen import device_offsets, host_bounds, varlen_chunks
-from armillary.kernels.triton.host import cdiv, next_power_of_2
 
 TUNING_PACKAGE = "armillary.kernels"
 CONV_DEFAULTS = {"BLOCK_T": 32, "BLOCK_C": 128, "num_warps": 4}  # measured best of 5 on an H200 (bench/gdn_kernels.py)

@@ -30,9 +30,9 @@ import triton.language as tl
 from armillary.kernels import tuning
 from armillary.kernels.triton.device_buffers import ticket_buffer
 from armillary.kernels.triton.fp8_skinny import on_gpu, pdl_options, sm_count
+from armillary.kernels.triton.host import cdiv, next_power_of_2
 from armillary.kernels.triton.pdl import pdl_prologue
 from armillary.kernels.triton.split_k import split_k_epilogue
-from armillary.kernels.triton.host import cdiv, next_power_of_2
 
 FP4_GROUP = 16
 DECODE_MAX_ROWS = 64  # up to this many rows stream W with unquantized activations

@@ -37,9 +37,9 @@ from armillary.kernels.triton.fp4_gemv import FOLD, as_words, dequant_halves, de
 from armillary.kernels.triton.fp8_moe import _FUSED_ACTS, _IDENTITY, _act, gemv_config_key, grouped_config_key
 from armillary.kernels.triton.fp8_skinny import on_gpu, pdl_options
 from armillary.kernels.triton import moe as bf16_moe
+from armillary.kernels.triton.host import cdiv, next_power_of_2
 from armillary.kernels.triton.moe_align import moe_align
 from armillary.kernels.triton.pdl import pdl_prologue
-from armillary.kernels.triton.host import cdiv, next_power_of_2
 
 GEMV_MAX_PAIRS = 64  # at most this many (token, expert) pairs take the GEMV path
 VARIANTS = ("grouped", "dequant")  # the grouped entry's "variant": the NVFP4 tile kernel, or unpacked experts

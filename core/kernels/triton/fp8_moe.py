@@ -38,9 +38,9 @@ from armillary.kernels.triton.fp8_gemm import act_group, dequantize_blocks, quan
 from armillary.kernels.triton.fp8_skinny import (WIDE_FOLD, fp8_row_products, fp8_row_scales, fp8_x_tile, k_layout,
                                                  on_gpu, pdl_options)
 from armillary.kernels.triton import moe as bf16_moe
+from armillary.kernels.triton.host import cdiv, next_power_of_2
 from armillary.kernels.triton.moe_align import moe_align
 from armillary.kernels.triton.pdl import pdl_prologue
-from armillary.kernels.triton.host import cdiv, next_power_of_2
 
 try:  # host-built TMA descriptors (Triton >= 3.4)
     from triton.tools.tensor_descriptor import TensorDescriptor

@@ -32,10 +32,10 @@ import triton.language as tl
 
 from armillary.kernels import tuning
 from armillary.kernels.triton.device_buffers import ticket_buffer
+from armillary.kernels.triton.host import cdiv, next_power_of_2
 from armillary.kernels.triton.pdl import launch_options, pdl_prologue
 from armillary.kernels.triton.skinny_gemm import _sm_count
 from armillary.kernels.triton.split_k import split_k_epilogue
-from armillary.kernels.triton.host import cdiv, next_power_of_2
 
 DECODE_MAX_ROWS = 64  # up to this many rows stream W with unquantized activations
 WIDE_FOLD = tl.constexpr(2.0 ** 60)  # e4m3_to_f32_folded's 2^-120, paid back half on x, half on the sums

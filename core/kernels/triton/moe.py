@@ -15,6 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
+from armillary.kernels.triton.host import cdiv, next_power_of_2
 from armillary.kernels.triton.moe_align import moe_align
 from armillary.kernels.triton.moe_decode import (
     ACT_GELU_TANH,
@@ -27,7 +28,6 @@ from armillary.kernels.triton.moe_decode import (
 )
 from armillary.kernels.triton.moe_gemv import LOOP_STATIC, moe_gemv
 from armillary.kernels.tuning import kernel_config
-from armillary.kernels.triton.host import cdiv, next_power_of_2
 
 TUNING_PACKAGE = "armillary.kernels"
 _ACTIVATIONS = {"silu": ACT_SILU, "swish": ACT_SILU, "relu2": ACT_RELU2, "gelu_pytorch_tanh": ACT_GELU_TANH,

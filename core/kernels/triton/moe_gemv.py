@@ -23,9 +23,9 @@ import torch
 import triton
 import triton.language as tl
 
+from armillary.kernels.triton.host import cdiv, next_power_of_2
 from armillary.kernels.triton.moe_decode import _activation
 from armillary.kernels.triton.pdl import pdl_available, pdl_override
-from armillary.kernels.triton.host import cdiv, next_power_of_2
 
 try:  # programmatic dependent launch (Triton >= 3.3); only traced when a config asks for it
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait

@@ -12,8 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
-from armillary.kernels.triton.pdl import launch_options, pdl_prologue
 from armillary.kernels.triton.host import next_power_of_2
+from armillary.kernels.triton.pdl import launch_options, pdl_prologue
 
 
 @triton.jit

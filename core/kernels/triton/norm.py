@@ -9,9 +9,9 @@ import torch
 import triton
 import triton.language as tl
 
+from armillary.kernels.triton.host import cdiv, next_power_of_2
 from armillary.kernels.triton.pdl import launch_options, pdl_prologue
 from armillary.kernels.tuning import kernel_config
-from armillary.kernels.triton.host import cdiv, next_power_of_2
 
 TUNING_PACKAGE = "armillary.kernels"
 

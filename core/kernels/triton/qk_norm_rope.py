@@ -15,8 +15,8 @@ import triton
 import triton.language as tl
 
 from armillary.kernels.triton.fp8_cast import cache_value
-from armillary.kernels.triton.pdl import launch_options, pdl_prologue
 from armillary.kernels.triton.host import cdiv, next_power_of_2
+from armillary.kernels.triton.pdl import launch_options, pdl_prologue
 
 
 @triton.jit

@@ -23,9 +23,9 @@ import triton.language as tl
 
 from armillary.kernels import tuning
 from armillary.kernels.triton.device_buffers import ticket_buffer
+from armillary.kernels.triton.host import cdiv, next_power_of_2
 from armillary.kernels.triton.pdl import launch_options, pdl_prologue
 from armillary.kernels.triton.split_k import split_k_epilogue
-from armillary.kernels.triton.host import cdiv, next_power_of_2
 
 TUNING_PACKAGE = "armillary.kernels"
 KERNEL = "skinny_gemm"

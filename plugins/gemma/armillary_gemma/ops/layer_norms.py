@@ -17,8 +17,8 @@ import triton
 import triton.language as tl
 
 from armillary.kernels import ops
-from armillary.kernels.triton.pdl import launch_options, pdl_prologue
 from armillary.kernels.triton.host import cdiv, next_power_of_2
+from armillary.kernels.triton.pdl import launch_options, pdl_prologue
 
 ROUTER_EXPERTS = 4  # router logits a program (Gemma-4-26B-A4B: 128 experts, 32 programs a row)
 ROUTER_MAX_ROWS = 8  # decode sizes fold the router GEMV into the norms; longer steps keep the GEMM

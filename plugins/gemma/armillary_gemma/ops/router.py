@@ -12,8 +12,8 @@ import triton
 import triton.language as tl
 
 from armillary.kernels import ops
-from armillary.kernels.triton.pdl import launch_options, pdl_prologue
 from armillary.kernels.triton.host import next_power_of_2
+from armillary.kernels.triton.pdl import launch_options, pdl_prologue
 
 
 @triton.jit

@@ -18,8 +18,8 @@ import triton
 import triton.language as tl
 
 from armillary.kernels import ops, tuning
-from armillary.kernels.triton.pdl import launch_options, pdl_prologue
 from armillary.kernels.triton.host import cdiv, next_power_of_2
+from armillary.kernels.triton.pdl import launch_options, pdl_prologue
 
 PACKAGE = "armillary_glm_flash"
 KERNEL = "norm_gemv"

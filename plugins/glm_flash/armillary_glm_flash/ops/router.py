@@ -12,8 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
-from armillary.kernels.tuning import kernel_config
 from armillary.kernels.triton.host import cdiv, next_power_of_2
+from armillary.kernels.tuning import kernel_config
 
 PACKAGE = "armillary_glm_flash"
 MAX_ROWS = 64

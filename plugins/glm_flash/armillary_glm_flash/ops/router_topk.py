@@ -20,9 +20,9 @@ import triton.language as tl
 
 from armillary.kernels import tuning
 from armillary.kernels.triton.device_buffers import ticket_buffer
+from armillary.kernels.triton.host import cdiv, next_power_of_2
 from armillary.kernels.triton.pdl import launch_options, pdl_prologue
 from armillary_glm_flash.ops.router import logits_blocks, logits_tile, router_config
-from armillary.kernels.triton.host import cdiv, next_power_of_2
 
 MAX_ROWS = 8  # decode-sized: the last program routes every row, so its [rows, E] tiles stay small
 PACKAGE = "armillary_glm_flash"

@@ -21,8 +21,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from armillary.kernels.tuning import kernel_config
 from armillary.kernels.triton.host import cdiv, next_power_of_2
+from armillary.kernels.tuning import kernel_config
 
 TUNING_PACKAGE = "armillary_nemotron"
 KERNEL = "router_gemm"

@@ -15,9 +15,9 @@ import torch
 import triton
 import triton.language as tl
 
+from armillary.kernels.triton.host import cdiv, next_power_of_2
 from armillary.kernels.tuning import kernel_config
 from armillary_glm_flash.ops.mla.rope_store import check_rope_store, rope_store_meta, rope_store_token
-from armillary.kernels.triton.host import cdiv, next_power_of_2
 
 PACKAGE = "armillary_glm_flash"
 DEFAULTS = {"BLOCK_D": 64, "BLOCK_K": 64, "num_warps": 4, "num_stages": 2}

@@ -19,8 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
-from armillary.kernels.tuning import kernel_config
 from armillary.kernels.triton.host import cdiv, next_power_of_2
+from armillary.kernels.tuning import kernel_config
 
 LOG2E = 1.4426950408889634
 MAX_SPLITS = 64

@@ -16,10 +16,10 @@ import torch
 import triton
 import triton.language as tl
 
+from armillary.kernels.triton.host import cdiv, next_power_of_2
 from armillary.kernels.tuning import kernel_config
 from armillary_glm_flash.ops.mla.decode import Partials, decode_partials, live_splits, mla_decode
 from armillary_glm_flash.ops.mla.naive import expand_values
-from armillary.kernels.triton.host import cdiv, next_power_of_2
 
 PACKAGE = "armillary_glm_flash"
 # use: this fused combine + W_UV launch, else mla_decode then a per-head bmm (the sm_90 table keeps it where the

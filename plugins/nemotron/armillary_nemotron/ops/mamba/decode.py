@@ -36,8 +36,8 @@ import triton
 import triton.language as tl
 
 from armillary.kernels.triton.device_buffers import device_buffer, ticket_buffer
-from armillary.kernels.tuning import kernel_config
 from armillary.kernels.triton.host import cdiv, next_power_of_2
+from armillary.kernels.tuning import kernel_config
 
 TUNING_PACKAGE = "armillary_nemotron"
 # split_p: 0 walks each group in one program; a power of two splits every head in blocks of that many state rows

@@ -11,8 +11,8 @@ import torch
 import triton
 import triton.language as tl
 
-from armillary.kernels.tuning import kernel_config
 from armillary.kernels.triton.host import cdiv, next_power_of_2
+from armillary.kernels.tuning import kernel_config
 
 TUNING_PACKAGE = "armillary_nemotron"
 NORM_DEFAULTS = {"ROWS": 4, "num_warps": 4}

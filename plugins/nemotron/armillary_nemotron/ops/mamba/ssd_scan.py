@@ -16,8 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
-from armillary.kernels.tuning import kernel_config
 from armillary.kernels.triton.host import cdiv, next_power_of_2
+from armillary.kernels.tuning import kernel_config
 
 TUNING_PACKAGE = "armillary_nemotron"
 # PASS_P / pass_warps: the chunked path's state hand-over; chunked_min_tokens: the smallest batch it takes

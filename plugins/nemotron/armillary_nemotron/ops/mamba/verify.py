@@ -24,10 +24,10 @@ import triton
 import triton.language as tl
 
 from armillary.kernels.triton.device_buffers import device_buffer, ticket_buffer
+from armillary.kernels.triton.host import cdiv, next_power_of_2
 from armillary.kernels.triton.pdl import launch_options, pdl_prologue
 from armillary.kernels.tuning import kernel_config
 from armillary_nemotron.ops.mamba.decode import TUNING_PACKAGE, _window_write, decode_config, mamba_decode_step
-from armillary.kernels.triton.host import cdiv, next_power_of_2
 
 
 @triton.jit

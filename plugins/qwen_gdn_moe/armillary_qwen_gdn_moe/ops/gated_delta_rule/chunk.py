@@ -13,11 +13,11 @@ from collections.abc import Sequence
 
 import torch
 
+from armillary.kernels.triton.host import cdiv, next_power_of_2
 from armillary.kernels.triton.varlen import device_offsets, host_bounds, varlen_chunks
 from armillary.kernels.tuning import kernel_config
 from armillary_qwen_gdn_moe.ops.gated_delta_rule.chunk_intra import chunk_intra_kernel, l2norm_qk_kernel
 from armillary_qwen_gdn_moe.ops.gated_delta_rule.chunk_state import chunk_output_kernel, chunk_state_kernel
-from armillary.kernels.triton.host import cdiv, next_power_of_2
 
 CHUNK = 64
 CHUNK_DEFAULTS = {

@@ -28,9 +28,9 @@ import triton
 import triton.language as tl
 
 from armillary.kernels.triton.device_buffers import device_buffer, ticket_buffer
+from armillary.kernels.triton.host import cdiv, next_power_of_2
 from armillary.kernels.triton.pdl import launch_options, pdl_prologue
 from armillary.kernels.tuning import kernel_config
-from armillary.kernels.triton.host import cdiv, next_power_of_2
 
 # split_bv: 0 walks each key head's value heads in one program; a power of two splits V in BV columns
 DECODE_DEFAULTS = {"num_warps": 4, "split_bv": 0}

@@ -17,9 +17,9 @@ import triton
 import triton.language as tl
 
 from armillary.kernels.triton.device_buffers import device_buffer, ticket_buffer
+from armillary.kernels.triton.host import cdiv, next_power_of_2
 from armillary.kernels.triton.pdl import launch_options, pdl_prologue
 from armillary_qwen_gdn_moe.ops.gated_delta_rule.fused_recurrent import _gates, decode_config, normalise_rows
-from armillary.kernels.triton.host import cdiv, next_power_of_2
 
 
 @triton.jit
