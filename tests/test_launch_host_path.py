@@ -36,6 +36,10 @@ def test_kernel_config_memo_answers_like_the_tables(monkeypatch):
     assert again == {"a": 1, "b": 0, "by": {"x": 1}} and len(reads) == 1  # remembered, and unchanged
     assert tuning.kernel_config("pkg", "k", "s", {"a": 0, "b": 5}, cpu)["b"] == 5  # other defaults: asked again
     assert len(reads) == 2
+    nested = {"a": 0, "by": {"x": 0}}
+    assert tuning.kernel_config("pkg", "k2", "s", nested, cpu)["by"] == {"x": 0}
+    nested["by"]["x"] = 4  # defaults edited in place (a test patching a module's table of defaults)
+    assert tuning.kernel_config("pkg", "k2", "s", nested, cpu)["by"] == {"x": 4}
     monkeypatch.setattr(tuning, "load_table", lambda package, target: {"k": {"s": {"a": 3}}})
     assert tuning.kernel_config("pkg", "k", "s", defaults, cpu) == {"a": 3, "b": 0}  # a swapped loader is read
     tuning._CONFIGS.clear()

@@ -135,7 +135,8 @@ def kernel_config(package: str, kernel: str, key: str, defaults: dict, device: t
         _CONFIGS.clear()
     nested = any(isinstance(v, dict) for v in cfg.values())
     kept = {k: dict(v) if isinstance(v, dict) else v for k, v in cfg.items()}
-    _CONFIGS[memo] = (dict(defaults), load_table, device_targets, device_target, gpu_name, kept, nested)
+    seen = {k: dict(v) if isinstance(v, dict) else v for k, v in defaults.items()}  # a later edit of them shows
+    _CONFIGS[memo] = (seen, load_table, device_targets, device_target, gpu_name, kept, nested)
     return cfg
 
 
