@@ -170,9 +170,9 @@ def main() -> int:
         print(f"core wrappers: {type(exc).__name__}: {exc}", flush=True)
     from triton import knobs
 
-    hooks = {name: getattr(getattr(knobs.runtime, name, None), "calls", getattr(knobs.runtime, name, None))
-             for name in ("launch_enter_hook", "launch_exit_hook")}
-    print(f"Triton launch hooks registered: {hooks}", flush=True)
+    hooks = {name: getattr(knobs.runtime, name, None) for name in ("launch_enter_hook", "launch_exit_hook")}
+    registered = {name: getattr(hook, "calls", hook) for name, hook in hooks.items()}  # HookChain from Triton 3.6
+    print(f"Triton launch hooks registered: {registered}", flush=True)
     if os.environ.get("OUT"):
         Path(os.environ["OUT"], "launch_overhead.json").write_text(json.dumps(RESULTS, indent=1))
     return 0

@@ -129,15 +129,19 @@ def kernel_config(package: str, kernel: str, key: str, defaults: dict, device: t
     if hit is not None and hit[1] is load_table and hit[2] is device_targets and hit[3] is device_target \
             and hit[4] is gpu_name and hit[0] == defaults:
         cfg, nested = hit[5], hit[6]
-        return {k: dict(v) if isinstance(v, dict) else v for k, v in cfg.items()} if nested else dict(cfg)
+        return _copy(cfg) if nested else dict(cfg)
     cfg = _kernel_config(package, kernel, key, defaults, device)
     if len(_CONFIGS) >= _CONFIGS_KEPT:
         _CONFIGS.clear()
-    nested = any(isinstance(v, dict) for v in cfg.values())
-    kept = {k: dict(v) if isinstance(v, dict) else v for k, v in cfg.items()}
-    seen = {k: dict(v) if isinstance(v, dict) else v for k, v in defaults.items()}  # a later edit of them shows
-    _CONFIGS[memo] = (seen, load_table, device_targets, device_target, gpu_name, kept, nested)
+    nested = any(isinstance(v, dict) for v in cfg.values())  # a hit copies nested entries only when there are any
+    # the defaults as they were, so a later edit of them in place is noticed
+    _CONFIGS[memo] = (_copy(defaults), load_table, device_targets, device_target, gpu_name, _copy(cfg), nested)
     return cfg
+
+
+def _copy(entries: dict) -> dict:
+    """A copy of a config whose nested dicts (per-batch overrides) are copied too."""
+    return {k: dict(v) if isinstance(v, dict) else v for k, v in entries.items()}
 
 
 def _kernel_config(package: str, kernel: str, key: str, defaults: dict, device: torch.device | None) -> dict:

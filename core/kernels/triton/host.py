@@ -1,7 +1,7 @@
 """Integer helpers for launch wrappers (host code): grids and padded block sizes.
 
 Triton 3.6's ``triton.cdiv`` / ``triton.next_power_of_2`` are constexpr functions whose host calls cost
-~2.5 µs each on the H200 machines (``bench/launch_overhead.py``); an eager prefill makes ~1,300 of them.
+1.1-2.5 µs each on the H200 machines (``bench/launch_overhead.py``); an eager prefill makes ~1,300 of them.
 Inside ``@triton.jit`` bodies keep ``tl.cdiv`` / ``triton.next_power_of_2``.
 """
 from __future__ import annotations
