@@ -1,4 +1,4 @@
-"""FP8 fused MoE: a grouped block-scaled GEMM over expert-sorted rows for prefill, GEMV-style weight streaming for decode.
+"""FP8 fused MoE: GEMV-style weight streaming for decode; for prefill the grouped block-scaled GEMMs (fp8_moe_grouped) or the unpacked experts.
 
 Weights are float8_e4m3fn [E, N, K] with fp32 block scales [E, ceil(N / bn), ceil(K / bk)].
 
@@ -11,14 +11,15 @@ Weights are float8_e4m3fn [E, N, K] with fp32 block scales [E, ceil(N / bn), cei
   other than silu / relu² / gelu-tanh: the same streaming for each GEMM, the activation in torch.
   Rows per program, tile width, warps and stages come from the "fp8_moe_gemv" tuning entry (keyed by
   experts, hidden, intermediate, top-k and tokens; ``bench/fp8_moe_gemv_sweep.py`` measures it).
-- grouped (prefill): rows sorted by expert into BLOCK_M blocks (``moe_align``); each GEMM's input
-  is quantized once per row and 128-column group (``fp8_gemm.quantize_act``, one launch), and the
-  tiles multiply on the fp8 tensor cores with ``acc += dot · a_scale · w_scale`` per K step, loads
-  pipelined through shared memory (the expert tiles through a TMA descriptor on a GPU: ``use_tma``); the activation (and gate · up) runs inside the second GEMM's
-  quantization launch; the weighted sum over each token's k experts is core's one-pass ``sum_topk``.
-  Rows per tile, each GEMM's tile width, warps, stages and GROUP_M swizzle come from the
-  "fp8_moe_grouped" tuning entry (keyed by experts, hidden, intermediate, top-k and rows per expert;
-  ``bench/fp8_moe_grouped_sweep.py`` measures it); BLOCK_K is the 128-column scale group.
+- grouped (prefill, fp8_moe_grouped.py): rows sorted by expert into BLOCK_M blocks (``moe_align``); x is
+  quantized once per row and 128-column group (``fp8_gemm.quantize_act``, one launch), and the tiles
+  multiply on the fp8 tensor cores with ``acc += dot · a_scale · w_scale`` per K step. The up GEMM stores h
+  in x's dtype and the activation (and gate · up) runs inside the down GEMM's quantization launch; with the
+  config's ``FUSE_ACT1`` on, the up GEMM quantizes act(gate) · up in its epilogue instead
+  (``grouped_act_gemm``: silu / relu² / gelu-tanh of a gated w13 of whole 128-column groups; off by default:
+  measured slower on the H200, see ``grouped_defaults``). The weighted sum over each
+  token's k experts is core's one-pass ``sum_topk``. Tiles come from the "fp8_moe_grouped" tuning entry
+  (``grouped_config``; ``bench/fp8_moe_grouped_sweep.py`` measures it).
 - dequant (prefill, where the bucket's entry says ``"variant": "dequant"``, which the sweep writes where
   it beats the grouped kernel): every expert unpacked once into x's dtype (``fp8_gemm.dequantize_blocks``)
   and core's bf16 Triton MoE, weight-only (activations unquantized), at the cost of a transient bf16 copy
@@ -35,6 +36,10 @@ import triton.language as tl
 from armillary.kernels import tuning
 from armillary.kernels.activation import act_and_mul, get_activation
 from armillary.kernels.triton.fp8_gemm import act_group, dequantize_blocks, quantize_act
+from armillary.kernels.triton.fp8_moe_grouped import (  # noqa: F401 (re-exported: the grouped path's names)
+    GROUPED_BUCKETS, GROUPED_KERNEL, TUNING_PACKAGE, VARIANTS, _grouped_act_kernel, _grouped_gemm, _grouped_kernel,
+    fuses_act, grouped_act_gemm, grouped_block_m, grouped_config, grouped_config_key, grouped_defaults, grouped_tile,
+    use_tma)
 from armillary.kernels.triton.fp8_skinny import (WIDE_FOLD, fp8_row_products, fp8_row_scales, fp8_x_tile, k_layout,
                                                  on_gpu, pdl_options)
 from armillary.kernels.triton import moe as bf16_moe
@@ -42,13 +47,7 @@ from armillary.kernels.triton.host import cdiv, next_power_of_2
 from armillary.kernels.triton.moe_align import moe_align
 from armillary.kernels.triton.pdl import pdl_prologue
 
-try:  # host-built TMA descriptors (Triton >= 3.4)
-    from triton.tools.tensor_descriptor import TensorDescriptor
-except ImportError:  # an older Triton: the pointer loads only
-    TensorDescriptor = None
-
 GEMV_MAX_PAIRS = 64  # at most this many (token, expert) pairs take the GEMV path
-TUNING_PACKAGE = "armillary.kernels"
 GEMV_KERNEL = "fp8_moe_gemv"
 # BLOCK_N1 / BLOCK_N2: weight rows per program (up: that many gate rows and as many up rows); BLOCK_K1 /
 # BLOCK_K2: the tile's columns (NSUB · SUB_K, SUB_K at most the weight's K block), powers of two >= 16.
@@ -57,80 +56,8 @@ GEMV_KERNEL = "fp8_moe_gemv"
 GEMV_DEFAULTS = {"BLOCK_N1": 2, "BLOCK_K1": 1024, "num_warps1": 2, "num_stages1": 1,
                  "BLOCK_N2": 4, "BLOCK_K2": 512, "num_warps2": 4, "num_stages2": 1}
 INTERPRETER_DEFAULTS = {**GEMV_DEFAULTS, "BLOCK_N1": 4, "num_warps1": 4}  # CPU: fewer, larger programs
-GROUPED_KERNEL = "fp8_moe_grouped"
-VARIANTS = ("grouped", "dequant")  # the grouped entry's "variant": the fp8 tile kernel, or unpacked experts
-GROUPED_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)  # avg rows per expert; finer than bf16's (64 streams: r4,
-# their 2-token verify steps: r8). Keys per GEMM, suffix 1 up / 2 down; GROUP_M 0: grid (blocks, N tiles), > 0:
-# that many expert-sorted blocks walk the N tiles together (a 1-D grid)
-_GROUPED_TILE_KEYS = ("BLOCK_N", "num_warps", "num_stages", "GROUP_M")
 _FUSED_ACTS = {"silu": 0, "swish": 0, "relu2": 1, "gelu_pytorch_tanh": 2, "gelu_tanh": 2}
 _IDENTITY = 3
-
-
-@triton.jit
-def _grouped_kernel(
-    a_ptr, as_ptr, w_ptr, s_ptr, out_ptr, sorted_ptr, block_expert_ptr, offsets_ptr, counts_ptr, A_ROWS, N, K,
-    stride_am, stride_we, stride_wn, stride_se, stride_sn, stride_sk, stride_om,
-    A_DIV: tl.constexpr, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, ROWS_SHARE: tl.constexpr,
-    EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr, W_TMA: tl.constexpr,
-):  # fmt: skip
-    """Grid (max_blocks, cdiv(N, BN)), or (max_blocks · cdiv(N, BN),) with GROUP_M > 0: rows of
-    expert-sorted block ``pid_m``; input row pair // A_DIV of the e4m3 a [A_ROWS, K] with scales as
-    [cdiv(K, BK), A_ROWS]; output row = pair. ``W_TMA``: ``w_ptr`` is a [E · N, K] tensor descriptor with
-    [BN, BK] blocks (TMA loads on sm_90; K whole BK tiles; rows past an expert's N are the next expert's,
-    which only the masked output columns see)."""
-    if GROUP_M > 0:  # GROUP_M consecutive blocks (mostly one expert) share their a rows across the N tiles in L2
-        pid, n_tiles = tl.program_id(0), tl.cdiv(N, BLOCK_N)
-        per_group = GROUP_M * n_tiles
-        first = (pid // per_group) * GROUP_M
-        group_rows = tl.minimum(tl.num_programs(0) // n_tiles - first, GROUP_M)
-        pid_m = first + (pid % per_group) % group_rows
-        pid_n = (pid % per_group) // group_rows
-    else:
-        pid_m, pid_n = tl.program_id(0), tl.program_id(1)
-    e = tl.load(block_expert_ptr + pid_m)
-    if e < 0:
-        return
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_ok = rows < tl.load(offsets_ptr + e) + tl.load(counts_ptr + e)
-    pair = tl.load(sorted_ptr + rows, mask=row_ok, other=0).to(tl.int64)  # padding rows read row 0
-    src = pair // A_DIV
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    cols = offs_n % N
-    offs_k = tl.arange(0, BLOCK_K)
-    a_ptrs = a_ptr + src[:, None] * stride_am + offs_k[None, :]  # [BM, BK]
-    s_base = s_ptr + e.to(tl.int64) * stride_se
-    if W_TMA:
-        w_row = e * N + pid_n * BLOCK_N
-    else:
-        w_ptrs = w_ptr + e.to(tl.int64) * stride_we + cols[None, :].to(tl.int64) * stride_wn + offs_k[:, None]
-    row_blk = (pid_n * BLOCK_N) // GROUP_N
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for kt in range(0, tl.cdiv(K, BLOCK_K)):
-        k0 = kt * BLOCK_K
-        if W_TMA:
-            a = tl.load(a_ptrs)
-            w = w_ptr.load([w_row, k0]).T  # [BK, BN], K-major as the fp8 wgmma wants
-        elif EVEN_K:
-            a = tl.load(a_ptrs)
-            w = tl.load(w_ptrs)
-        else:
-            k_ok = offs_k < K - k0
-            a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
-            w = tl.load(w_ptrs, mask=k_ok[:, None], other=0.0)
-        a_s = tl.load(as_ptr + kt * A_ROWS + src)  # [BM]
-        if ROWS_SHARE:
-            w_s = tl.load(s_base + row_blk * stride_sn + (k0 // GROUP_K) * stride_sk)
-            acc += tl.dot(a, w) * (a_s[:, None] * w_s)
-        else:
-            w_s = tl.load(s_base + (cols // GROUP_N) * stride_sn + (k0 // GROUP_K) * stride_sk)  # [BN]
-            acc += tl.dot(a, w) * a_s[:, None] * w_s[None, :]
-        a_ptrs += BLOCK_K
-        if not W_TMA:
-            w_ptrs += BLOCK_K
-    dst = out_ptr + pair[:, None] * stride_om + offs_n[None, :]
-    tl.store(dst, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & (offs_n < N)[None, :])
 
 
 @triton.jit
@@ -330,92 +257,6 @@ def _gemv_moe(x, w13, s13, w2, s2, block_n, block_k, topk_weights, topk_ids, act
     return out
 
 
-def _grouped_gemm(aq: torch.Tensor, a_s: torch.Tensor, w: torch.Tensor, s: torch.Tensor, block_n: int, block_k: int,
-                  a_div: int, num_pairs: int, align, out_dtype: torch.dtype, tile: dict) -> torch.Tensor:
-    """Per-pair rows [pairs, N] of ``a[pair // a_div] @ (w[e] · s[e]).T`` from a's e4m3 rows ``aq`` and their
-    group scales ``a_s`` (quantize_act's); ``tile``: BLOCK_N, num_warps, num_stages, GROUP_M of this launch,
-    and TMA (None: ``use_tma``'s rule)."""
-    e, n, k = w.shape
-    group = act_group(k, block_k)
-    out = torch.empty(num_pairs, n, dtype=out_dtype, device=aq.device)
-    bn, group_m = tile["BLOCK_N"], tile["GROUP_M"]
-    blocks, n_tiles = align.block_expert.shape[0], cdiv(n, bn)
-    tma = use_tma(w, group, tile.get("TMA"))
-    w_arg = TensorDescriptor.from_tensor(w.view(e * n, k), [bn, group]) if tma else w
-    _grouped_kernel[(blocks * n_tiles,) if group_m > 0 else (blocks, n_tiles)](
-        aq, a_s, w_arg, s, out, align.sorted_pair_ids, align.block_expert, align.expert_offsets, align.expert_counts,
-        aq.shape[0], n, k, aq.stride(0), w.stride(0), w.stride(1), s.stride(0), s.stride(1),
-        s.stride(2) if s.shape[2] > 1 else 0, out.stride(0), A_DIV=a_div, GROUP_N=block_n,
-        GROUP_K=block_k if block_k < k else 1 << 30, ROWS_SHARE=block_n % bn == 0, EVEN_K=k % group == 0,
-        BLOCK_M=align.block_m, BLOCK_N=bn, BLOCK_K=group, GROUP_M=group_m, W_TMA=tma, num_warps=tile["num_warps"],
-        num_stages=tile["num_stages"],
-    )  # fmt: skip
-    return out
-
-
-def use_tma(w: torch.Tensor, group: int, choice: int | bool | None = None) -> bool:
-    """Whether a grouped GEMM reads its expert tiles through a TMA descriptor: ``choice`` (a table's or a
-    test's ``TMA1`` / ``TMA2``) where given, else on a GPU (on the H200, Qwen3.6 experts, whole MoE calls:
-    1.00-1.05x from 8 to 4096 tokens, 0.96x at 16K, which the Qwen table turns off); always only for contiguous
-    experts of whole K tiles."""
-    fits = TensorDescriptor is not None and w.is_contiguous() and w.shape[2] % group == 0 and w.shape[2] % 16 == 0
-    if choice is not None:
-        if choice and not fits:
-            raise ValueError(f"fp8 grouped MoE: TMA needs contiguous experts of whole {group}-column tiles, not "
-                             f"{tuple(w.shape)}")
-        return bool(choice)
-    return fits and on_gpu(w.device)
-
-
-def grouped_block_m(num_pairs: int, gpu: bool, num_experts: int | None = None) -> int:
-    """Rows per grouped tile without a table entry. By average rows per expert (``num_experts`` given): 16
-    below 32, 32 below 64, else 64 (on the H200 at Qwen3.6's 257 experts, 16 rows ran 1.8-2.2x the 64 of the
-    pair-count rule at 128-512 tokens); without it 64 from 1024 pairs, else 16. (128-row tiles with 8 warps,
-    tried for experts of 256+ rows, timed 4215.7 us against 4024.0 us for 64 at a 16K-token prefill on the
-    H200; ``block_m=128`` still selects them.)"""
-    if not gpu:
-        return 16
-    if num_experts is None:
-        return 64 if num_pairs >= 1024 else 16
-    avg = num_pairs / num_experts
-    return 16 if avg < 32 else 32 if avg < 64 else 64
-
-
-def grouped_defaults(num_pairs: int, gpu: bool, block_m: int | None = None, num_experts: int | None = None) -> dict:
-    """The grouped launch without a table entry (variant "grouped"): ``block_m`` (None: grouped_block_m) rows, 128-wide tiles
-    (32 in the interpreter), 8 warps for 128-row tiles (the dense prefill GEMM's config), else 4; 4 stages."""
-    bm = grouped_block_m(num_pairs, gpu, num_experts) if block_m is None else block_m
-    bn, warps, stages = (128, 8 if bm >= 128 else 4, 4) if gpu else (32, 4, 1)
-    return {"variant": "grouped", "BLOCK_M": bm, **{f"{key}{gemm}": value for gemm in (1, 2)
-                                                    for key, value in zip(_GROUPED_TILE_KEYS, (bn, warps, stages, 0))}}
-
-
-def grouped_config_key(num_experts: int, hidden: int, inter: int, top_k: int, num_pairs: int) -> str:
-    """Tuning key: the expert shape, slots per token and average rows per expert rounded up to a
-    GROUPED_BUCKETS bucket (the last one takes everything above it)."""
-    avg = cdiv(num_pairs, num_experts)
-    bucket = next((b for b in GROUPED_BUCKETS if avg <= b), GROUPED_BUCKETS[-1])
-    return f"e{num_experts}_h{hidden}_i{inter}_k{top_k}_r{bucket}"
-
-
-def grouped_config(num_experts: int, hidden: int, inter: int, top_k: int, num_pairs: int,
-                   device: torch.device) -> dict:
-    """Launch parameters of the grouped path: grouped_defaults under the "fp8_moe_grouped" tables."""
-    key = grouped_config_key(num_experts, hidden, inter, top_k, num_pairs)
-    return tuning.kernel_config(TUNING_PACKAGE, GROUPED_KERNEL, key,
-                                grouped_defaults(num_pairs, on_gpu(device), num_experts=num_experts), device)
-
-
-def _grouped_tile(cfg: dict, gemm: int) -> dict:
-    """One GEMM's launch keys out of a grouped config, checked (tl.dot and tl.arange need powers of two)."""
-    tile = {key: cfg[f"{key}{gemm}"] for key in _GROUPED_TILE_KEYS}
-    tile["TMA"] = cfg.get(f"TMA{gemm}")  # optional: None leaves it to use_tma's rule
-    if tile["BLOCK_N"] < 16 or tile["BLOCK_N"] & (tile["BLOCK_N"] - 1) or tile["GROUP_M"] < 0:
-        raise ValueError(f"fp8 grouped MoE: BLOCK_N{gemm} must be a power of two >= 16 and GROUP_M{gemm} >= 0, "
-                         f"not {tile}")
-    return tile
-
-
 def fp8_fused_moe(x: torch.Tensor, w13: torch.Tensor, s13: torch.Tensor, w2: torch.Tensor, s2: torch.Tensor,
                   block_n: int, block_k: int, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                   activation: str = "silu", grouped: bool | str | None = None, block_m: int | None = None,
@@ -447,15 +288,18 @@ def fp8_fused_moe(x: torch.Tensor, w13: torch.Tensor, s13: torch.Tensor, w2: tor
                                   activation)
     if cfg["BLOCK_M"] < 16 or cfg["BLOCK_M"] & (cfg["BLOCK_M"] - 1):
         raise ValueError(f"fp8 grouped MoE: BLOCK_M must be a power of two >= 16, not {cfg['BLOCK_M']}")
-    up, down = _grouped_tile(cfg, 1), _grouped_tile(cfg, 2)
+    up, down = grouped_tile(cfg, 1), grouped_tile(cfg, 2)
     align = moe_align(topk_ids, w13.shape[0], cfg["BLOCK_M"])
-    # per-pair rows in the model dtype, rounded where the reference's F.linear outputs are
     xq, xs = quantize_act(x, act_group(x.shape[1], block_k))  # one launch: e4m3 rows, scales [groups, T]
-    h = _grouped_gemm(xq, xs, w13, s13, block_n, block_k, k, num_pairs, align, x.dtype, up)  # [P, 2I]
-    if activation in _FUSED_ACTS:  # the activation (and gate · up) inside the quantization launch
-        hq, hs = quantize_act(h, act_group(inter, block_k), activation=_FUSED_ACTS[activation], gated=gated)
-    else:
-        hq, hs = quantize_act((act_and_mul(h, activation) if gated else get_activation(activation)(h)).contiguous(),
-                              act_group(inter, block_k))  # [P, I]
+    if activation in _FUSED_ACTS and fuses_act(w13, inter, block_k, x.dtype, cfg):  # no h [P, 2I] round trip
+        hq, hs = grouped_act_gemm(xq, xs, w13, s13, block_n, block_k, k, num_pairs, align, x.dtype,
+                                  _FUSED_ACTS[activation], up)  # [P, I], [I / G, P]
+    else:  # per-pair rows in the model dtype, rounded where the reference's F.linear outputs are
+        h = _grouped_gemm(xq, xs, w13, s13, block_n, block_k, k, num_pairs, align, x.dtype, up)  # [P, 2I]
+        if activation in _FUSED_ACTS:  # the activation (and gate · up) inside the quantization launch
+            hq, hs = quantize_act(h, act_group(inter, block_k), activation=_FUSED_ACTS[activation], gated=gated)
+        else:
+            hq, hs = quantize_act((act_and_mul(h, activation) if gated else get_activation(activation)(h)).contiguous(),
+                                  act_group(inter, block_k))  # [P, I]
     y = _grouped_gemm(hq, hs, w2, s2, block_n, block_k, 1, num_pairs, align, x.dtype, down)  # [P, H]
     return bf16_moe.sum_topk(y, k, torch.empty_like(x), topk_weights)  # Σ_j w_j · y_j in fp32, one pass
