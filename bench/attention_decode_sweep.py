@@ -2,6 +2,7 @@
 
     python bench/attention_decode_sweep.py --out DIR --model gemma4   # GPU: DIR/attention_decode_sweep.json
     python bench/attention_decode_sweep.py --out DIR --model qwen --smoke   # CPU interpreter: the plumbing only
+    python bench/attention_decode_sweep.py --out DIR --model qwen --kv fp8  # an fp8 (e4m3) KV cache, as FP8 serves
 
 Decode attention runs inside the decode CUDA graphs with ``max_seq_len`` = the graph's bound (the whole
 context limit), so the number of key splits is fixed by that bound and by ``split_min_tokens`` /
@@ -79,6 +80,9 @@ def model_shapes(model: str) -> list[AttentionShape]:
     return list(shapes.values())
 
 
+KV_FP8 = False  # --kv fp8: caches stored as e4m3 with fp32 scales
+
+
 class Case:
     """One (batch, context) decode over a shuffled paged cache, captured into a CUDA graph per config."""
 
@@ -88,6 +92,11 @@ class Case:
         cache = (blocks, PAGE, shape.kv_heads, shape.head_dim)  # [num_blocks, block_size, Hkv, D]
         self.k = torch.randn(cache, generator=g, device=DEVICE, dtype=DTYPE)
         self.v = torch.randn(cache, generator=g, device=DEVICE, dtype=DTYPE)
+        self.scales = {}
+        if KV_FP8:
+            self.k, self.v = self.k.to(torch.float8_e4m3fn), self.v.to(torch.float8_e4m3fn)
+            one = torch.ones((), dtype=torch.float32, device=DEVICE)
+            self.scales = {"k_scale": one, "v_scale": one}
         self.q = torch.randn(batch, shape.heads, shape.head_dim, generator=g, device=DEVICE, dtype=DTYPE)
         perm = torch.randperm(blocks, generator=g, device=DEVICE)[: batch * math.ceil(BOUND / PAGE)]
         self.block_tables = perm.view(batch, -1).to(DEVICE, torch.int32)  # [B, bound / PAGE]
@@ -98,7 +107,7 @@ class Case:
         s = self.shape
         return lambda: pa.paged_attention_decode(self.q, self.k, self.v, self.block_tables, self.seq_lens,
                                                  s.head_dim**-0.5, s.window, None, max_seq_len=BOUND, out=self.out,
-                                                 config=cfg)
+                                                 config=cfg, **self.scales)
 
     def time_ms(self, cfg: dict | None) -> tuple[float, torch.Tensor]:
         fn = self.call(cfg)
@@ -144,13 +153,16 @@ def main() -> None:
     ap.add_argument("--out", required=True, type=Path)
     ap.add_argument("--model", default="gemma4", choices=MODELS)
     ap.add_argument("--smoke", action="store_true")
+    ap.add_argument("--kv", default="bf16", choices=("bf16", "fp8"), help="the KV cache's dtype")
     args = ap.parse_args()
+    global KV_FP8
+    KV_FP8 = args.kv == "fp8"
     args.out.mkdir(parents=True, exist_ok=True)
     package = PACKAGES[args.model]
     tuning.use_packages((package,))  # the defaults this model reads today
     results = [sweep_shape(shape) for shape in model_shapes(args.model)]
     table = {r["shape"]["key"]: r["entry"] for r in results if r["entry"] is not None}
-    out = {"model": args.model, "package": package, "bound": BOUND, "results": results, "table": table,
+    out = {"model": args.model, "package": package, "bound": BOUND, "kv": args.kv, "results": results, "table": table,
            "device": "cpu-interpreter" if SMOKE else torch.cuda.get_device_name()}
     (args.out / "attention_decode_sweep.json").write_text(json.dumps(out, indent=1))
     print(f"entries for {package}: {sorted(table) or 'none (the defaults win)'}")

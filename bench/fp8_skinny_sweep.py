@@ -2,6 +2,7 @@
 
     python bench/fp8_skinny_sweep.py                     # H200: M in 1, 2, 4, 8; results to $OUT (or --out)
     python bench/fp8_skinny_sweep.py --write             # also merge the entry into the installed Qwen table
+    python bench/fp8_skinny_sweep.py --rows 16,32,64     # other M (64 streams' decode)
     python bench/fp8_skinny_sweep.py --smoke --out DIR   # CPU (TRITON_INTERPRET=1): tiny shapes, 2 candidates a path
 
 Shapes: every ``ops.fp8_linear`` a decode step of ``Qwen3_5MoeTextConfig()`` makes with ``quantization=
@@ -11,7 +12,8 @@ Weights: random, 128 x 128 block e4m3 by ``armillary.kernels.fp8.quantize_blocks
 > 120 MB stream per pass (the L2 is 50 MB). For each (shape, M) the current table pick (``decode_config``
 under the Qwen plugin's tables) and every candidate table entry (one-row path for M = 1, the tensor-core
 path above; derived by ``decode_config`` itself with the entry patched in) are timed inside one CUDA graph
-of >= 20 back-to-back calls (``skinny_gemm.time_calls``), beside bf16 cuBLAS on the dequantized weight. A
+of >= 20 back-to-back calls (``skinny_gemm.time_calls``), beside bf16 cuBLAS on the dequantized weight and,
+for M > 1, ``fp8_linear``'s prefill route (W8A8: activation quantization, then cuBLAS or the Triton GEMM). A
 candidate counts when its error vs the fp32 dequantized product is within max(2 x cuBLAS's, 8e-3), its
 output is bit-equal across calls and graph replays, and the split-K tickets are back at 0. Grid pruning: one-row
 tiles holding 16..128 fp32 accumulators a thread (34 of the 48 BLOCK_N x BLOCK_K x warps), splits that divide K's
@@ -66,7 +68,7 @@ if SMOKE:
 else:
     ONE_ROW_GRID = [dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=w) for bn in (4, 8, 16, 32) for bk in (256, 512, 1024, 2048)
                     for w in (2, 4, 8) if ACC_PER_THREAD[0] <= bn * bk // (32 * w) <= ACC_PER_THREAD[1]]
-    DOT_GRID = [dict(DOT_BLOCK_N=bn, DOT_BLOCK_K=128, dot_num_warps=w, dot_num_stages=s) for bn in (16, 32, 64)
+    DOT_GRID = [dict(DOT_BLOCK_N=bn, DOT_BLOCK_K=128, dot_num_warps=w, dot_num_stages=s) for bn in (16, 32, 64, 128)
                 for w in (4, 8) for s in (2, 3, 4)]
 
 
@@ -208,6 +210,12 @@ def sweep_shape(names: list[str], n: int, k: int, m: int, weights, dense, deadli
     row = {"shape": "+".join(sorted(set(names))), "launches_per_step": len(names), "N": n, "K": k, "M": m,
            "key": fs.config_key(m, n, k), "weight_copies": len(weights), "cublas_us": cublas_us,
            "cublas_GBps": bf16_bytes / (cublas_us * 1e-6) / 1e9, "cublas_err": rel_err(outs[0], want), "configs": []}
+    if m > 1:  # the W8A8 route fp8_linear takes past DECODE_MAX_ROWS rows, for the crossover
+        from armillary.kernels.triton.fp8_gemm import fp8_linear
+
+        w8a8_us, outs = time_calls(lambda i: fp8_linear(x, *weights[i], BLOCK, BLOCK, config={"prefill": True}),
+                                   len(weights))
+        row.update(w8a8_us=w8a8_us, w8a8_err=rel_err(outs[0], want))
     tol = max(2.0 * row["cublas_err"], 8e-3)
     current = derive(m, n, k)
     runs = [(None, current, "current"), *[(e, c, "sweep") for e, c in candidates(m, n, k, current)]]
@@ -244,10 +252,11 @@ def report_line(row: dict, s: dict) -> str:
     fmt = lambda v: f"{v:8.2f}" if v is not None else "       -"  # noqa: E731
     best = json.dumps(s["best_entry"]) if s.get("best_entry") else "(the current pick)"
     speedup = (s["current_us"] or 0) / s.get("best_us", math.inf)
+    w8a8 = f" | W8A8 route {row['w8a8_us']:8.2f} us err {row['w8a8_err']:.1e}" if "w8a8_us" in row else ""
     return (f"{row['shape']:16s} M={row['M']} current {fmt(s['current_us'])} us {s['current_GBps'] or 0:6.0f} GB/s"
             f"{'' if s['current_ok'] else ' (FAILS its checks)'} | best {fmt(s.get('best_us'))} us "
             f"{s.get('best_GBps', 0):6.0f} GB/s x{speedup:.2f} {best} | bf16 cuBLAS {fmt(row['cublas_us'])} us "
-            f"{row['cublas_GBps']:6.0f} GB/s | err {s.get('best_err', float('nan')):.1e} bad {s['bad_configs']}/"
+            f"{row['cublas_GBps']:6.0f} GB/s{w8a8} | err {s.get('best_err', float('nan')):.1e} bad {s['bad_configs']}/"
             f"{s['timed']}{' -> table' if 'entry' in s else ''}{' TRUNCATED' if row.get('truncated') else ''}")
 
 
@@ -259,7 +268,9 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_sweep_arguments(ap, 150.0)
     ap.add_argument("--smoke", action="store_true", help="CPU interpreter: tiny shapes, the plumbing only")
+    ap.add_argument("--rows", default=None, help="comma-separated M values (default: 1,2,4,8)")
     args = ap.parse_args()
+    rows = tuple(int(r) for r in args.rows.split(",")) if args.rows else ROWS
     start = time.time()
     out = output_folder(ap, args, SMOKE)
     tuning.use_packages((QWEN,))  # the tables as the served Qwen model reads them
@@ -275,7 +286,7 @@ def main() -> int:
                "pdl": pdl_enabled(DEVICE), "command": " ".join(sys.argv), "date": str(datetime.date.today()),
                "model_shapes": {f"n{n}_k{k}": names for (n, k), names in model_shapes.items()},
                "rows": [], "summary": []}
-    sweep = SkinnySweep("fp8_skinny_sweep.py", fs.KERNEL, ROWS, ROTATE_BYTES, lambda n, k: n * k, make_weights,
+    sweep = SkinnySweep("fp8_skinny_sweep.py", fs.KERNEL, rows, ROTATE_BYTES, lambda n, k: n * k, make_weights,
                         lambda w: ref.dequantize(*w, BLOCK, BLOCK, DTYPE), derive, candidates, warm_compile,
                         sweep_shape, summarise, report_line)
     return sweep.run(shapes, results, args, out, args.table or Path(table_path(QWEN, "sm_90")), start)

@@ -1,7 +1,8 @@
 """Where an engine step's time goes, per model and scenario (GPU, random weights, default flags).
 
 Scenarios, each timed through ``engine.step()`` as the server runs it (CUDA graphs on) and then
-profiled (torch.profiler, CPU + CUDA): ``decode`` (batch-1 steady decode), ``verify`` (the K=2 MTP
+profiled (torch.profiler, CPU + CUDA): ``decode`` (batch-1 steady decode), ``decode:N`` (N streams in steady
+decode, 1K prompts), ``verify`` (the K=2 MTP
 verify step with every draft accepted; Qwen and GLM only), ``prefill:N`` (one fresh N-token prompt's
 first step: its TTFT). Prints the step time, the device time its kernels took (a step much longer
 than its kernels waits on the host), the top kernels and the top host ops.
@@ -60,17 +61,19 @@ def _profile(fn, steps: int, rows: int) -> str:
                       events.table(sort_by="self_cpu_time_total", row_limit=rows // 2, max_name_column_width=64)])
 
 
-def _steady(ours, prompt: int) -> str:
-    """Adds one long request and runs it into steady decode; returns its id."""
+def _steady(ours, prompt: int, streams: int = 1) -> list[str]:
+    """Adds ``streams`` long requests and runs them into steady decode; returns their ids."""
     from armillary import SamplingParams
 
-    ours.ids += 1
-    rid = f"p{ours.ids}"
-    ours.engine.add_request(rid, ours._prompt(prompt), SamplingParams(temperature=0.0, max_tokens=4000,
-                                                                       ignore_eos=True))
-    for _ in range(8):
+    rids = []
+    for _ in range(streams):
+        ours.ids += 1
+        rids.append(f"p{ours.ids}")
+        ours.engine.add_request(rids[-1], ours._prompt(prompt), SamplingParams(temperature=0.0, max_tokens=4000,
+                                                                               ignore_eos=True))
+    for _ in range(8 + streams):  # every prefill done, then steady
         ours.engine.step()
-    return rid
+    return rids
 
 
 def _timed_steps(eng, n: int) -> float:
@@ -82,12 +85,15 @@ def _timed_steps(eng, n: int) -> float:
     return (time.perf_counter() - t) / n
 
 
-def steady_steps(ours, label: str, rows: int) -> str:
-    """One 1K-prompt request in steady decode: its timed ``engine.step()`` (64 steps), then 10 profiled."""
-    rid = _steady(ours, 1024)
+def steady_steps(ours, label: str, rows: int, streams: int = 1) -> str:
+    """``streams`` 1K-prompt requests in steady decode: their timed ``engine.step()`` (64 steps), then 10
+    profiled."""
+    rids = _steady(ours, 1024, streams)
     ms = _timed_steps(ours.engine, 64) * 1e3
-    text = f"{label}: engine.step() {ms:.3f} ms\n" + _profile(ours.engine.step, 10, rows)
-    ours.engine.abort_request(rid)
+    text = (f"{label}: engine.step() {ms:.3f} ms ({streams / ms * 1e3:.0f} tok/s)\n"
+            + _profile(ours.engine.step, 10, rows))
+    for rid in rids:
+        ours.engine.abort_request(rid)
     ours.engine.step()
     return text
 
@@ -167,11 +173,15 @@ def main() -> None:
     extra = {"speculative": True, "num_drafts": 2} if spec else {}
     if args.fp8:
         extra.update(quantization="fp8_block", kv_cache_dtype="fp8")
-    ours = Ours(d, "cuda", 20480, 8, eager=False, **extra)
+    streams = max([8] + [int(sc.split(":")[1]) for sc in args.scenarios if sc.startswith("decode:")])
+    ours = Ours(d, "cuda", 20480, streams, eager=False, **extra)
     lines = [f"{args.model}: start-up {ours.startup:.1f} s"]
     for sc in args.scenarios:
         if sc == "decode" and not spec:
             lines.append(steady_steps(ours, "decode b1", args.rows))
+        elif sc.startswith("decode:"):
+            n = int(sc.split(":")[1])
+            lines.append(steady_steps(ours, f"decode {n} streams", args.rows, n))
         elif sc == "verify":
             lines.append(verify(ours, args.rows))
         elif sc.startswith("prefill:"):
