@@ -93,6 +93,21 @@ def events_us(fn: Callable[[], object], calls: int = EVENT_CALLS) -> float:
     return start.elapsed_time(end) * 1e3 / calls
 
 
+def median_event_us(fn: Callable[[], object], reps: int = 5) -> float:
+    """Median µs of ``reps`` eager calls of fn(), each between its own two CUDA events, after one warm call."""
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) * 1e3)
+    return sorted(times)[len(times) // 2]
+
+
 def error_ratio(out: torch.Tensor, want: torch.Tensor) -> float:
     return ((out.float() - want).norm() / want.norm()).item()
 

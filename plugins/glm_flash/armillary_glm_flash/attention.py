@@ -195,8 +195,11 @@ class LatentAttention(nn.Module):
                 cached = gather_latent(cache.kv, tables[b], context + n)  # [L, Dl + Dr]
                 kv = self.kv_b_proj(cached[:, : self.kv_lora_rank]).view(context + n, self.num_heads, -1)
                 pe = cached[:, self.kv_lora_rank:]
-            k, v = expanded_keys(kv, pe, self.nope)
-            out[start:end] = decompressed_attention(q[start:end], k, v, context, self.scale)
+            k, v = expanded_keys(kv, pe, self.nope, ops.use_triton(q))
+            attn = decompressed_attention(q[start:end], k, v, context, self.scale)  # [n, H, v]
+            if n == num_tokens:  # one chunk is the whole step: SDPA's output as it is, not copied (95 us at 16K)
+                return attn.reshape(num_tokens, self.num_heads * self.v_dim)
+            out[start:end] = attn
         if rows:
             index = torch.tensor(rows, dtype=torch.long, device=q.device)
             seqs = torch.tensor(row_seqs, dtype=torch.long, device=q.device)

@@ -126,10 +126,27 @@ def test_decompressed_prefill_after_cached_context():
     assert _rel(got, want) < 1e-5
 
 
+@pytest.mark.parametrize("length", [1, 17, 40])
+def test_expanded_keys_kernel_equals_copies(length):
+    """The one-pass key kernel writes the same keys as the two torch copies, from kv_b_proj's head-major rows and
+    strided rope-key rows (the gathered cache's tail)."""
+    g = torch.Generator().manual_seed(length)
+    heads, nope, v, dr = 3, 24, 20, 10
+    kv = torch.randn(length, heads * (nope + v), generator=g).to(DEVICE).view(length, heads, nope + v)
+    rows = torch.randn(length, 36 + dr, generator=g).to(DEVICE)
+    k_pe = rows[:, 36:]  # a strided view, as the model passes it
+    want, want_v = expanded_keys(kv, k_pe, nope, triton_kernel=False)
+    got, got_v = expanded_keys(kv, k_pe, nope, triton_kernel=True)
+    assert torch.equal(got, want) and got.is_contiguous()
+    assert torch.equal(got_v, want_v) and got_v.data_ptr() == kv[..., nope:].data_ptr()
+
+
 @pytest.mark.parametrize("interleaved", [True, False], ids=["interleaved", "neox"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_rope_store_matches_reference(interleaved, dtype):
-    """Norm + rotary + latent store (and q's rope dims in place) in one launch equals the unfused reference."""
+@pytest.mark.parametrize("block_t", [2, 8], ids=["tiles-of-2", "one-tile"])
+def test_rope_store_matches_reference(interleaved, dtype, block_t):
+    """Norm + rotary + latent store (and q's rope dims in place) in one launch equals the unfused reference,
+    with 7 tokens in one program or in four (the last one partly masked)."""
     g = torch.Generator().manual_seed(11)
     tokens, heads, nope, dl, dr, page = 7, 5, 20, 44, 12, 4
     ckv = torch.randn(tokens, dl + dr + 3, generator=g)[:, : dl + dr].to(dtype).to(DEVICE)  # strided rows
@@ -141,7 +158,7 @@ def test_rope_store_matches_reference(interleaved, dtype):
     kv_ref, kv = (torch.full((8, page, dl + dr), 7.0, dtype=dtype, device=DEVICE) for _ in range(2))
     q_ref = q.clone()
     rope_store_ref(q_ref, ckv, weight, 1e-6, cos, sin, kv_ref, slots, interleaved)
-    mla_rope_store(q, ckv, weight, 1e-6, cos, sin, kv, slots, interleaved)
+    mla_rope_store(q, ckv, weight, 1e-6, cos, sin, kv, slots, interleaved, block_t=block_t)
     tol = 1e-6 if dtype == torch.float32 else 2e-3
     assert torch.allclose(kv.float(), kv_ref.float(), atol=tol, rtol=tol)
     assert torch.allclose(q.float(), q_ref.float(), atol=tol, rtol=tol)
