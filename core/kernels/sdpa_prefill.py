@@ -37,7 +37,8 @@ def fresh_prefill_attention(
     """Causal self-attention of sequences with no cached context, their K/V already in ``cache``.
 
     q: [T, Hq, D]; block_tables: [B, max_blocks]; query_start_loc: B+1 host ints.
-    Returns [T, Hq, Dv], or None when none of ``backends`` takes these shapes (use the paged kernels).
+    Returns [T, Hq, Dv] (unit last stride; SDPA's own output when one prompt fills the step), or None when none
+    of ``backends`` takes these shapes (use the paged kernels).
     """
     hkv = cache.k.shape[2]
     key = (q.dtype, q.device.type, q.shape[1], hkv, q.shape[2], cache.v.shape[3], backends)
@@ -56,6 +57,8 @@ def fresh_prefill_attention(
                     q[start:end].transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0),
                     v.transpose(0, 1).unsqueeze(0), is_causal=True, scale=scale, enable_gqa=q.shape[1] != hkv,
                 )  # [1, Hq, L, Dv]
+                if end - start == q.shape[0]:  # one prompt is the whole step: SDPA's output, not a copy of it
+                    return o[0].transpose(0, 1)
                 out[start:end] = o[0].transpose(0, 1)
     except RuntimeError:  # no backend of the list supports this dtype / head dim / GQA layout
         _refused.add(key)
@@ -78,8 +81,11 @@ def supports(device: torch.device, dtype: torch.dtype | None, *, decode_only: bo
 
 def fresh_prefill(q: torch.Tensor, cache: KVCache, batch, scale: float, sliding_window: int | None,
                   softcap: float | None, gate: torch.Tensor | None) -> torch.Tensor | None:
-    """``fresh_prefill_attention`` in the interface's signature; None when no SDPA backend takes the shapes."""
+    """``fresh_prefill_attention`` in the interface's signature; None when no SDPA backend takes the shapes.
+    The gate is applied in place in one Triton pass (rounded as ``out * torch.sigmoid(gate)``)."""
     out = fresh_prefill_attention(q, cache, batch.block_tables_of(cache), batch.query_start_loc_cpu, scale)
     if out is None or gate is None:
         return out
-    return out * torch.sigmoid(gate)
+    from armillary.kernels.triton.gate import sigmoid_gate_
+
+    return sigmoid_gate_(out, gate)
