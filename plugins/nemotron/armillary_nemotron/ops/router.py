@@ -110,7 +110,6 @@ def router_config(rows: int, device: torch.device | None = None) -> dict:
 def router_logits(x: torch.Tensor, weight: torch.Tensor, config: dict | None = None) -> torch.Tensor:
     """x [T, H] (unit column stride), weight [E, H] float32 (unit column stride) -> [T, E] float32."""
     rows, k = x.shape
-    experts = weight.shape[0]
     if weight.dtype != torch.float32 or weight.shape[1] != k or weight.stride(1) != 1 or x.stride(1) != 1:
         raise ValueError(f"router_logits: x {tuple(x.shape)} / weight {tuple(weight.shape)} {weight.dtype} "
                          "do not fit (fp32 weight, unit column strides)")
