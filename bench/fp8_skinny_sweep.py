@@ -49,6 +49,7 @@ from sweep_checks import SkinnySweep, add_sweep_arguments, checked_timing, outpu
 from armillary.kernels import fp8 as ref  # noqa: E402
 from armillary.kernels import tuning  # noqa: E402
 from armillary.kernels.triton import fp8_skinny as fs  # noqa: E402
+from armillary.kernels.triton.fp8_gemm import fp8_linear  # noqa: E402
 
 QWEN = "armillary_qwen_gdn_moe"
 BLOCK = 128  # the weight's (bn, bk): the published FP8 checkpoint's and --quantization fp8_block's
@@ -211,8 +212,6 @@ def sweep_shape(names: list[str], n: int, k: int, m: int, weights, dense, deadli
            "key": fs.config_key(m, n, k), "weight_copies": len(weights), "cublas_us": cublas_us,
            "cublas_GBps": bf16_bytes / (cublas_us * 1e-6) / 1e9, "cublas_err": rel_err(outs[0], want), "configs": []}
     if m > 1:  # the W8A8 route fp8_linear takes past DECODE_MAX_ROWS rows, for the crossover
-        from armillary.kernels.triton.fp8_gemm import fp8_linear
-
         w8a8_us, outs = time_calls(lambda i: fp8_linear(x, *weights[i], BLOCK, BLOCK, config={"prefill": True}),
                                    len(weights))
         row.update(w8a8_us=w8a8_us, w8a8_err=rel_err(outs[0], want))

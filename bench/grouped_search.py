@@ -29,9 +29,8 @@ SMEM = 232448  # sm_90's shared memory per block: what a tile's pipeline stages 
 class Tiles:
     """A GEMM tile as a tuple of launch keys (``keys``), named per GEMM in a config: ``BLOCK_N1``, ``num_warps2``."""
 
-    def __init__(self, keys: tuple[str, ...], fixed: dict | None = None) -> None:
+    def __init__(self, keys: tuple[str, ...]) -> None:
         self.names = keys
-        self.fixed = dict(fixed or {})  # keys every candidate carries as the defaults set them (not swept)
 
     def keys(self, tile: tuple, gemm: int) -> dict:
         return {f"{key}{gemm}": value for key, value in zip(self.names, tile)}
@@ -41,7 +40,7 @@ class Tiles:
 
     def config(self, block_m: int, up: tuple, down: tuple) -> dict:
         # the variant key too: a candidate equal to the defaults (which name it) must compare equal to them
-        return {"variant": "grouped", "BLOCK_M": block_m, **self.keys(up, 1), **self.keys(down, 2), **self.fixed}
+        return {"variant": "grouped", "BLOCK_M": block_m, **self.keys(up, 1), **self.keys(down, 2)}
 
     def text(self, cfg: dict) -> str:
         return f"BLOCK_M={cfg['BLOCK_M']} up {self.of(cfg, 1)} down {self.of(cfg, 2)}"

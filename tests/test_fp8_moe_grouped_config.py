@@ -13,9 +13,8 @@ from tests.fixtures import grouped_sweeps
 T, ROUTED, K, H, I = 20, 5, 2, 160, 96  # K routed slots + the shared expert (id ROUTED) last; 60 pairs, r16
 KEY = "e6_h160_i96_k3_r16"
 TODAY_GPU = {"variant": "grouped", "BLOCK_N1": 128, "num_warps1": 4, "num_stages1": 4, "GROUP_M1": 0,
-             "BLOCK_N2": 128, "num_warps2": 4, "num_stages2": 4, "GROUP_M2": 0, "FUSE_ACT1": 0}  # fmt: skip
+             "BLOCK_N2": 128, "num_warps2": 4, "num_stages2": 4, "GROUP_M2": 0}  # fmt: skip
 SPY_KEYS = ("BLOCK_M", "BLOCK_N", "GROUP_M", "num_warps", "num_stages")
-FUSED_KEYS = ("BLOCK_M", "G", "GROUP_M", "num_warps", "num_stages")  # the fused up GEMM: G columns of gate and up
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # CPU: the interpreter (root conftest)
 
 
@@ -43,7 +42,7 @@ def test_defaults_are_todays_tiles(monkeypatch):
     cpu = torch.device("cpu")
     assert fp8_moe.grouped_config(6, H, I, 3, 60, cpu) == {
         "variant": "grouped", "BLOCK_M": 16, "BLOCK_N1": 32, "num_warps1": 4, "num_stages1": 1, "GROUP_M1": 0,
-        "BLOCK_N2": 32, "num_warps2": 4, "num_stages2": 1, "GROUP_M2": 0, "FUSE_ACT1": 0}  # fmt: skip
+        "BLOCK_N2": 32, "num_warps2": 4, "num_stages2": 1, "GROUP_M2": 0}  # fmt: skip
     monkeypatch.setattr(fp8_skinny, "OFFLINE_SM_COUNT", 132)  # GPU launch configs without a GPU
     assert fp8_moe.grouped_config(257, 2048, 512, 9, 576, cpu) == {"BLOCK_M": 16, **TODAY_GPU}
     # rows per tile by average rows per expert: 16 below 32, 32 below 64, then 64 (not by the pair count)
@@ -57,13 +56,10 @@ def test_defaults_are_todays_tiles(monkeypatch):
 
 
 def test_table_entry_reaches_the_launch(monkeypatch):
-    entry = {"BLOCK_M": 32, "BLOCK_N1": 64, "num_warps1": 2, "GROUP_M1": 3, "BLOCK_N2": 16, "num_stages2": 2,
-             "FUSE_ACT1": 0}  # the unfused up GEMM: its BLOCK_N1 reaches the launch
+    entry = {"BLOCK_M": 32, "BLOCK_N1": 64, "num_warps1": 2, "GROUP_M1": 3, "BLOCK_N2": 16, "num_stages2": 2}
     grouped_sweeps.set_table(monkeypatch, {"fp8_moe_grouped": {"_comment": "test", KEY: entry, "e6_h160_i96_k3_r8": {"BLOCK_M": 7}}})
     spy = grouped_sweeps.LaunchSpy(fp8_moe_grouped._grouped_kernel, SPY_KEYS)
-    fused = grouped_sweeps.LaunchSpy(fp8_moe_grouped._grouped_act_kernel, FUSED_KEYS)
-    monkeypatch.setattr(fp8_moe_grouped, "_grouped_kernel", spy)
-    monkeypatch.setattr(fp8_moe_grouped, "_grouped_act_kernel", fused)
+    monkeypatch.setattr(fp8_moe_grouped, "_grouped_kernel", spy)  # where _grouped_gemm looks it up
     args = _moe((16, 32), seed=1)
     out = fp8_moe.fp8_fused_moe(*args, "silu", grouped=True)
     up, down = spy.launches
@@ -75,14 +71,12 @@ def test_table_entry_reaches_the_launch(monkeypatch):
     assert len(up["grid"]) == 1 and len(down["grid"]) == 2  # the swizzle's 1-D grid; (blocks, N tiles) without
     assert down["grid"][1] == -(-H // 16) and up["grid"][0] == down["grid"][0] * -(-2 * I // 64)
     want = ref.fused_moe(*args, "silu", quantize_input=True)
-    assert _ratio(out, want) < 1e-5 and not fused.launches
+    assert _ratio(out, want) < 1e-5
     spy.launches.clear()
-    # an explicit block_m: today's tiles, no table; FUSE_ACT1 on: the up GEMM's G = 32 columns
-    fp8_moe.fp8_fused_moe(*args, "silu", grouped=True, block_m=16, tiles={"FUSE_ACT1": 1})
+    fp8_moe.fp8_fused_moe(*args, "silu", grouped=True, block_m=16)  # an explicit block_m: today's tiles, no table
     today = fp8_moe.grouped_defaults(60, DEVICE.type == "cuda", 16)
-    assert [(la["BLOCK_M"], la["G"], la["GROUP_M"]) for la in fused.launches] == [(16, 32, today["GROUP_M1"])]
     assert [(la["BLOCK_M"], la["BLOCK_N"], la["GROUP_M"]) for la in spy.launches] == \
-        [(16, today["BLOCK_N2"], today["GROUP_M2"])]
+        [(16, today["BLOCK_N1"], today["GROUP_M1"]), (16, today["BLOCK_N2"], today["GROUP_M2"])]
     x, w13, s13, w2, s2, bn, bk, weights, ids = args
     with pytest.raises(ValueError, match="BLOCK_M must be a power of two"):  # 12 tokens read r8: its bad value shows
         fp8_moe.fp8_fused_moe(x[:12], w13, s13, w2, s2, bn, bk, weights[:12], ids[:12], "silu", grouped=True)
@@ -95,18 +89,16 @@ def test_variant_dequant_takes_the_unpacked_experts(monkeypatch):
 
     grouped_sweeps.set_table(monkeypatch, {"fp8_moe_grouped": {KEY: {"variant": "dequant"}, "e6_h160_i96_k3_r8": {"variant": "x"}}})
     calls, spy = [], grouped_sweeps.LaunchSpy(fp8_moe_grouped._grouped_kernel, SPY_KEYS)
-    fused = grouped_sweeps.LaunchSpy(fp8_moe_grouped._grouped_act_kernel, FUSED_KEYS)
     real = bf16_moe.fused_moe
     monkeypatch.setattr(bf16_moe, "fused_moe", lambda *a, **kw: calls.append(a[1].shape) or real(*a, **kw))
-    monkeypatch.setattr(fp8_moe_grouped, "_grouped_kernel", spy)
-    monkeypatch.setattr(fp8_moe_grouped, "_grouped_act_kernel", fused)
+    monkeypatch.setattr(fp8_moe_grouped, "_grouped_kernel", spy)  # where _grouped_gemm looks it up
     monkeypatch.setattr(fp8_moe, "GEMV_MAX_PAIRS", 8)  # 60 and 36 pairs: past the GEMV path
     args = _moe((16, 32), seed=2)
     out = fp8_moe.fp8_fused_moe(*args, "silu")
-    assert calls == [(ROUTED + 1, 2 * I, H)] and not spy.launches and not fused.launches  # the whole w13, unpacked
+    assert calls == [(ROUTED + 1, 2 * I, H)] and not spy.launches  # the whole w13, unpacked
     assert _ratio(out, ref.fused_moe(*args, "silu")) < 1e-5  # activations unquantized
     fp8_moe.fp8_fused_moe(*args, "silu", grouped=True)
-    assert len(calls) == 1 and not fused.launches and len(spy.launches) == 2  # the up and down GEMMs
+    assert len(calls) == 1 and len(spy.launches) == 2
     x, w13, s13, w2, s2, bn, bk, weights, ids = args
     with pytest.raises(ValueError, match="variant must be one of"):  # 12 tokens read r8
         fp8_moe.fp8_fused_moe(x[:12], w13, s13, w2, s2, bn, bk, weights[:12], ids[:12], "silu")
@@ -169,8 +161,7 @@ def test_smoke_sweep_checks_and_writes(smoke):
     assert {row["config"]["GROUP_M1"] for row in rows} == {0, 2}
     entry = grouped_sweeps.check_written(out, "fp8_moe_grouped", "fp8_moe_grouped")
     assert set(entry) == {"e6_h80_i48_k3_r2", "e6_h80_i48_k3_r16"}
-    swept = set(fp8_moe.grouped_defaults(1, False))  # FUSE_ACT1 too, as the defaults set it
-    assert all(set(cfg) == swept and cfg != r["default"]
+    assert all(set(cfg) == set(fp8_moe.grouped_defaults(1, False)) and cfg != r["default"]
                for cfg, r in zip(entry.values(), result["results"]))
 
 

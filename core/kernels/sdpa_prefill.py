@@ -13,6 +13,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from armillary.forward_batch import KVCache
 from armillary.kernels.attention import gather_kv
+from armillary.kernels.triton.gate import sigmoid_gate_
 
 FAST_BACKENDS = (SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION)
 MIN_MEAN_PROMPT = 1024  # shorter prompts: one varlen Triton launch beats a loop of SDPA calls
@@ -86,6 +87,4 @@ def fresh_prefill(q: torch.Tensor, cache: KVCache, batch, scale: float, sliding_
     out = fresh_prefill_attention(q, cache, batch.block_tables_of(cache), batch.query_start_loc_cpu, scale)
     if out is None or gate is None:
         return out
-    from armillary.kernels.triton.gate import sigmoid_gate_
-
     return sigmoid_gate_(out, gate)

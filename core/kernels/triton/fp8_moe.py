@@ -14,12 +14,9 @@ Weights are float8_e4m3fn [E, N, K] with fp32 block scales [E, ceil(N / bn), cei
 - grouped (prefill, fp8_moe_grouped.py): rows sorted by expert into BLOCK_M blocks (``moe_align``); x is
   quantized once per row and 128-column group (``fp8_gemm.quantize_act``, one launch), and the tiles
   multiply on the fp8 tensor cores with ``acc += dot · a_scale · w_scale`` per K step. The up GEMM stores h
-  in x's dtype and the activation (and gate · up) runs inside the down GEMM's quantization launch; with the
-  config's ``FUSE_ACT1`` on, the up GEMM quantizes act(gate) · up in its epilogue instead
-  (``grouped_act_gemm``: silu / relu² / gelu-tanh of a gated w13 of whole 128-column groups; off by default:
-  measured slower on the H200, see ``grouped_defaults``). The weighted sum over each
-  token's k experts is core's one-pass ``sum_topk``. Tiles come from the "fp8_moe_grouped" tuning entry
-  (``grouped_config``; ``bench/fp8_moe_grouped_sweep.py`` measures it).
+  in x's dtype and the activation (and gate · up) runs inside the down GEMM's quantization launch. The
+  weighted sum over each token's k experts is core's one-pass ``sum_topk``. Tiles come from the
+  "fp8_moe_grouped" tuning entry (``grouped_config``; ``bench/fp8_moe_grouped_sweep.py`` measures it).
 - dequant (prefill, where the bucket's entry says ``"variant": "dequant"``, which the sweep writes where
   it beats the grouped kernel): every expert unpacked once into x's dtype (``fp8_gemm.dequantize_blocks``)
   and core's bf16 Triton MoE, weight-only (activations unquantized), at the cost of a transient bf16 copy
@@ -37,9 +34,8 @@ from armillary.kernels import tuning
 from armillary.kernels.activation import act_and_mul, get_activation
 from armillary.kernels.triton.fp8_gemm import act_group, dequantize_blocks, quantize_act
 from armillary.kernels.triton.fp8_moe_grouped import (  # noqa: F401 (re-exported: the grouped path's names)
-    GROUPED_BUCKETS, GROUPED_KERNEL, TUNING_PACKAGE, VARIANTS, _grouped_act_kernel, _grouped_gemm, _grouped_kernel,
-    fuses_act, grouped_act_gemm, grouped_block_m, grouped_config, grouped_config_key, grouped_defaults, grouped_tile,
-    use_tma)
+    GROUPED_BUCKETS, GROUPED_KERNEL, TUNING_PACKAGE, VARIANTS, _grouped_gemm, _grouped_kernel, grouped_block_m,
+    grouped_config, grouped_config_key, grouped_defaults, grouped_tile, use_tma)
 from armillary.kernels.triton.fp8_skinny import (WIDE_FOLD, fp8_row_products, fp8_row_scales, fp8_x_tile, k_layout,
                                                  on_gpu, pdl_options)
 from armillary.kernels.triton import moe as bf16_moe
@@ -290,16 +286,13 @@ def fp8_fused_moe(x: torch.Tensor, w13: torch.Tensor, s13: torch.Tensor, w2: tor
         raise ValueError(f"fp8 grouped MoE: BLOCK_M must be a power of two >= 16, not {cfg['BLOCK_M']}")
     up, down = grouped_tile(cfg, 1), grouped_tile(cfg, 2)
     align = moe_align(topk_ids, w13.shape[0], cfg["BLOCK_M"])
+    # per-pair rows in the model dtype, rounded where the reference's F.linear outputs are
     xq, xs = quantize_act(x, act_group(x.shape[1], block_k))  # one launch: e4m3 rows, scales [groups, T]
-    if activation in _FUSED_ACTS and fuses_act(w13, inter, block_k, x.dtype, cfg):  # no h [P, 2I] round trip
-        hq, hs = grouped_act_gemm(xq, xs, w13, s13, block_n, block_k, k, num_pairs, align, x.dtype,
-                                  _FUSED_ACTS[activation], up)  # [P, I], [I / G, P]
-    else:  # per-pair rows in the model dtype, rounded where the reference's F.linear outputs are
-        h = _grouped_gemm(xq, xs, w13, s13, block_n, block_k, k, num_pairs, align, x.dtype, up)  # [P, 2I]
-        if activation in _FUSED_ACTS:  # the activation (and gate · up) inside the quantization launch
-            hq, hs = quantize_act(h, act_group(inter, block_k), activation=_FUSED_ACTS[activation], gated=gated)
-        else:
-            hq, hs = quantize_act((act_and_mul(h, activation) if gated else get_activation(activation)(h)).contiguous(),
-                                  act_group(inter, block_k))  # [P, I]
+    h = _grouped_gemm(xq, xs, w13, s13, block_n, block_k, k, num_pairs, align, x.dtype, up)  # [P, 2I]
+    if activation in _FUSED_ACTS:  # the activation (and gate · up) inside the quantization launch
+        hq, hs = quantize_act(h, act_group(inter, block_k), activation=_FUSED_ACTS[activation], gated=gated)
+    else:
+        hq, hs = quantize_act((act_and_mul(h, activation) if gated else get_activation(activation)(h)).contiguous(),
+                              act_group(inter, block_k))  # [P, I]
     y = _grouped_gemm(hq, hs, w2, s2, block_n, block_k, 1, num_pairs, align, x.dtype, down)  # [P, H]
     return bf16_moe.sum_topk(y, k, torch.empty_like(x), topk_weights)  # Σ_j w_j · y_j in fp32, one pass

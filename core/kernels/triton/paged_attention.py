@@ -337,7 +337,8 @@ def _launch(
         BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=cfg["BLOCK_N"], PAGE=page, SPLIT_KV=splits > 1, DECODE=decode,
         USE_WINDOW=bool(sliding_window), USE_SOFTCAP=use_softcap,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", HAS_GATE=gate is not None,
-        KV_SCALED=k_scale is not None, FAST_FP8=_fast_fp8(q, k_cache, v_cache), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **launch_options(q.device),
+        KV_SCALED=k_scale is not None, FAST_FP8=_fast_fp8(q, k_cache, v_cache), num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"], **launch_options(q.device),
     )
     if splits > 1:
         block_s = max(16, next_power_of_2(splits))

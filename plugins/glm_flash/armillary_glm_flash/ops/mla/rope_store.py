@@ -5,7 +5,7 @@ rope dims, and the store of ``[normed latent | rotated key]`` into the paged lat
 Same math as ``naive.rope_store_ref`` (float32 statistics and rotation, each result rounded to its
 tensor's dtype): it replaces a norm, two rotary launches with their copies, a concatenation and an
 index copy (seven launches per layer on a decode step). ``mla_rope_store`` (prefill chunks) takes
-``BLOCK_T`` tokens a program as 2-D / 3-D tiles; the one-token body (``rope_store_token``) is what the
+``BLOCK_T`` tokens a program (``rope_store_rows``); ``rope_store_token``, the same on one token, is what the
 absorbed decode's fused launch calls.
 """
 from __future__ import annotations
@@ -105,8 +105,7 @@ def _mla_rope_store_kernel(
     NOPE: tl.constexpr, DL: tl.constexpr, DR: tl.constexpr, BLOCK_DL: tl.constexpr, BLOCK_HALF: tl.constexpr,
     BLOCK_H: tl.constexpr, INTERLEAVED: tl.constexpr, BLOCK_T: tl.constexpr,
 ):
-    """Grid (cdiv(T, BLOCK_T),): BLOCK_T tokens a program (one a program left most of the GPU idle on its serial
-    loads)."""
+    """Grid (cdiv(T, BLOCK_T),): BLOCK_T tokens a program."""
     rope_store_rows(tl.program_id(0) * BLOCK_T, T, q_ptr, ckv_ptr, weight_ptr, cos_ptr, sin_ptr, slots_ptr, kv_ptr,
                     stride_qt, stride_qh, stride_ct, stride_cs, stride_kv, num_heads, eps,
                     NOPE, DL, DR, BLOCK_DL, BLOCK_HALF, BLOCK_H, INTERLEAVED, BLOCK_T)
