@@ -3,7 +3,8 @@
 
 The router (``gate``) keeps float32 weights and logits, as transformers does (its weight stays
 float32 in a bf16 model); decode rows take ``ops/router_topk.py`` on Triton (logits and top-k in one launch,
-x widened inside the kernel), more rows ``ops/router.py``'s logits then the dispatched ``sigmoid_topk``. Routed
+x widened inside the kernel), more rows ``ops/router.py``'s logits (prefill: three bf16 tensor-core dots of
+the split float32 weight) then the dispatched ``sigmoid_topk``. Routed
 weights are the chosen experts' unbiased sigmoid scores, renormalised (``norm_topk_prob``) and times
 ``routed_scaling_factor``. The shared MLP (``shared_experts``, ``n_shared_experts ×
 moe_intermediate_size`` wide) is cut into
@@ -37,9 +38,14 @@ class Router(nn.Module):
                                                     requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x: [T, H] -> float32 logits [T, E]; decode rows on Triton in one launch (the cast folded in)."""
-        if x.shape[0] <= router_ops.MAX_ROWS and x.stride(-1) == 1 and ops.use_triton(x):
-            return router_ops.router_logits(x, self.weight)
+        """x: [T, H] -> float32 logits [T, E]; on Triton in one launch (the cast folded in)."""
+        if x.stride(-1) == 1 and ops.use_triton(x):
+            if x.shape[0] <= router_ops.MAX_ROWS:
+                return router_ops.router_logits(x, self.weight)
+            if x.dtype == torch.bfloat16:
+                cfg = router_ops.mma_config(self.weight.shape[0], x.shape[1], x.shape[0], x.device)
+                if x.shape[0] >= cfg["min_rows"]:
+                    return router_ops.router_logits_mma(x, self.weight, config=cfg)
         return F.linear(x.float(), self.weight)
 
 

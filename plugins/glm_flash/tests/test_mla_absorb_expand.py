@@ -10,7 +10,7 @@ from armillary_glm_flash.ops.mla.absorb import mla_absorb, mla_absorb_rope_store
 from armillary_glm_flash.ops.mla.decode import decode_partials, mla_decode
 from armillary_glm_flash.ops.mla.expand import mla_decode_values, mla_expand
 from armillary_glm_flash.ops.mla.naive import absorb_query, expand_values, mla_decode_ref, rope_store_ref
-from armillary_glm_flash.ops.router import router_logits, router_logits_ref
+from armillary_glm_flash.ops.router import router_logits, router_logits_mma, router_logits_ref
 from plugins.glm_flash.tests.test_mla_kernels import DEVICE, _expected, _paged_case, _rel
 
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the interpreter evaluates masked-off lanes
@@ -143,3 +143,18 @@ def test_router_logits_match_reference(rows, dtype):
         assert _rel(got, want) < 1e-5  # the same float32 products, summed in another order
     with pytest.raises(ValueError, match="rows"):
         router_logits(torch.zeros(65, 203, dtype=dtype, device=DEVICE), w)
+
+
+@pytest.mark.parametrize("rows", [65, 130, 200])
+def test_router_logits_mma_match_reference(rows):
+    """Prefill rows: the float32 weight split into three half parts, tensor-core dots; float32-close to the GEMM."""
+    g = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 203, generator=g).to(HALF).to(DEVICE)
+    w = torch.randn(7, 203, generator=g).to(DEVICE)
+    want = router_logits_ref(x, w)
+    for cfg in (None, {"BLOCK_T": 16, "BLOCK_K": 32, "num_warps": 2, "num_stages": 1}):
+        got = router_logits_mma(x, w, config=cfg)
+        assert got.dtype == torch.float32 and got.shape == (rows, 7)
+        assert _rel(got, want) < 2e-6  # one half part alone is ~1e-3 off: all three count
+    with pytest.raises(ValueError, match="do not fit"):
+        router_logits_mma(x.float(), w)
