@@ -109,6 +109,7 @@ def compile_all(launches) -> list[dict]:
                        cp_async=len(re.findall(r"cp\.async\.(?:cg|ca)|cp\.async\.bulk", ptx)),
                        wgmma_e4m3=len(re.findall(r"wgmma\.mma_async[^\n]*e4m3", ptx)),
                        mma=len(re.findall(r"\bmma\.sync|wgmma\.mma_async", ptx)),
+                       l2_prefetch=len(re.findall(r"prefetch\.global\.L2", ptx)),
                        approx_div=len(re.findall(r"div\.(?:full|approx)(?:\.ftz)?\.f32", ptx)),
                        sign_flips=len(re.findall(r"neg\.f32|sub(?:\.ftz)?\.f32\s+%\w+,\s*0f00000000,", ptx)))
             if fn.fn.__name__ in EXACT_KERNELS and row["approx_div"]:  # must round as torch: IEEE divisions only

@@ -17,6 +17,7 @@ import logging
 import torch
 
 from armillary.forward_batch import ForwardBatch, LayerCache
+from armillary.kernels.triton.pdl import graph_batch
 from armillary.step_plan import StepPlan
 
 log = logging.getLogger("armillary")
@@ -163,11 +164,12 @@ class CUDAGraphDecoder:
         self._reset_padding(0)
         for b in reversed(self.buckets):
             batch = self._batch(b)
-            self.model(batch)  # warm-up: triton compiles and autotunes outside the capture
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool):
-                self.outputs[b] = self.model(batch)
+            with graph_batch(b):
+                self.model(batch)  # warm-up: triton compiles and autotunes outside the capture
+                torch.cuda.synchronize()
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=self.pool):
+                    self.outputs[b] = self.model(batch)
             if self.pool is None:
                 self.pool = graph.pool()
             self.graphs[b] = graph

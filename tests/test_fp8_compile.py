@@ -48,3 +48,9 @@ def test_prefill_gemms_use_fp8_wgmma_and_exact_kernels_round_as_torch(rows):
     grouped = [r for r in rows if r["kernel"] == "_grouped_kernel"]
     assert {r["constexprs"]["BLOCK_M"] for r in grouped} >= {16, 128}
     assert all(r["wgmma_e4m3"] > 0 for r in grouped if r["num_warps"] == 8)
+
+
+def test_skinny_gemm_asks_l2_for_its_weights_before_waiting(rows):
+    """With PDL the fp8 decode GEMM prefetches its weight tile (the check compiles ``PREFETCH`` on)."""
+    skinny = [r for r in rows if r["kernel"] == "_fp8_skinny_kernel"]
+    assert skinny and all(r["l2_prefetch"] > 0 and r["constexprs"].get("PREFETCH") is True for r in skinny), skinny

@@ -53,3 +53,10 @@ def test_blackwell_gemm_is_the_native_block_scaled_fp4_mma(rows):
     gemms = [r for r in rows if r["kernel"] == "_fp4_scaled_gemm_kernel"]
     assert {r["target"] for r in gemms} == {"sm_100", "sm_120"}
     assert all(r["fp4_mma"] > 0 and r["constexprs"].get("NATIVE") is True for r in gemms), gemms
+
+
+def test_skinny_gemv_asks_l2_for_its_weights_before_waiting(rows):
+    """With PDL the one-row and multi-row fp4 GEMVs prefetch their weight and scale tiles (the check compiles
+    ``PREFETCH`` on)."""
+    skinny = [r for r in rows if r["kernel"] == "_fp4_skinny_kernel"]
+    assert skinny and all(r["l2_prefetch"] > 0 and r["constexprs"].get("PREFETCH") is True for r in skinny), skinny

@@ -1,4 +1,4 @@
-"""Whether kernels chain with programmatic dependent launch: the tables decide per model, ARMILLARY_PDL overrides."""
+"""Whether kernels chain with programmatic dependent launch (the tables decide per model and decode-graph batch, ARMILLARY_PDL overrides) and prefetch their weights before the wait (ARMILLARY_L2_PREFETCH, the tables)."""
 from __future__ import annotations
 
 import pytest
@@ -16,6 +16,7 @@ def gpu_like(monkeypatch):
     monkeypatch.setattr(tuning, "device_targets", lambda device=None: ("sm_90",))
     monkeypatch.setattr(tuning, "load_table", lambda package, target: tables.get((package, target), {}))
     monkeypatch.delenv("ARMILLARY_PDL", raising=False)
+    monkeypatch.delenv("ARMILLARY_L2_PREFETCH", raising=False)
     return tables
 
 
@@ -46,6 +47,67 @@ def test_on_by_default_and_off_for_the_architecture_its_table_names(gpu_like, se
         tuning._CONFIGS.clear()  # the memos key the patched loader, not the dict it reads
         pdl._DECIDED.clear()
         assert not pdl.pdl_enabled(DEV)  # "default": every model of the plugin
+
+
+def test_max_batch_turns_it_off_in_bigger_decode_graphs_only(gpu_like, serving):
+    gpu_like[("armillary_qwen_gdn_moe", "sm_90")] = {"pdl": {"qwen3_5_moe": {"max_batch": 48}}}
+    serving("qwen3_5_moe")
+    with tuning.overlay("armillary_qwen_gdn_moe"):
+        assert pdl.pdl_enabled(DEV)  # eager steps: no graph batch
+        for b, on in ((1, True), (48, True), (64, False)):
+            with pdl.graph_batch(b):
+                assert pdl.pdl_enabled(DEV) is on
+                assert pdl.launch_options(DEV) == ({"PDL": True, "launch_pdl": True} if on else {"PDL": False})
+                with pdl.graph_batch(1):  # nested: the innermost graph counts, then the outer one again
+                    assert pdl.pdl_enabled(DEV)
+                assert pdl.pdl_enabled(DEV) is on
+        assert pdl.pdl_enabled(DEV)
+        serving("qwen3_next")  # another architecture of the plugin: no cap
+        with pdl.graph_batch(64):
+            assert pdl.pdl_enabled(DEV)
+
+
+def test_the_environment_overrides_max_batch(gpu_like, serving, monkeypatch):
+    gpu_like[("armillary_qwen_gdn_moe", "sm_90")] = {"pdl": {"default": {"max_batch": 8}}}
+    monkeypatch.setenv("ARMILLARY_PDL", "1")
+    with tuning.overlay("armillary_qwen_gdn_moe"), pdl.graph_batch(64):
+        assert pdl.pdl_enabled(DEV)
+
+
+def test_decode_graphs_capture_inside_their_batch(monkeypatch):
+    """The decode-graph capturer tells the launches which batch they belong to (warm-up and capture alike)."""
+    from armillary import cuda_graphs
+
+    seen: list[int | None] = []
+
+    class Model:
+        def __call__(self, batch):
+            seen.append(pdl._graph_batch)
+            return batch
+
+    class FakeGraph:
+        def pool(self):
+            return None
+
+    class Capture:
+        def __init__(self, graph, pool=None):
+            pass
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+    decoder = object.__new__(cuda_graphs.CUDAGraphDecoder)
+    decoder.model, decoder.buckets, decoder.pool, decoder.graphs, decoder.outputs = Model(), [1, 2, 4], None, {}, {}
+    monkeypatch.setattr(decoder, "_reset_padding", lambda start: None, raising=False)
+    monkeypatch.setattr(decoder, "_batch", lambda b: b, raising=False)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", FakeGraph)
+    monkeypatch.setattr(torch.cuda, "graph", Capture)
+    decoder.capture()
+    assert seen == [4, 4, 2, 2, 1, 1] and pdl._graph_batch is None
 
 
 def test_ops_install_sets_the_architecture(serving):
@@ -89,3 +151,32 @@ def test_a_bad_value_is_refused(gpu_like, monkeypatch):
 def test_never_off_the_gpu(monkeypatch):
     monkeypatch.setenv("ARMILLARY_PDL", "1")
     assert not pdl.pdl_enabled(torch.device("cpu")) and pdl.launch_options(torch.device("cpu")) == {"PDL": False}
+
+
+def test_l2_prefetch_is_off_by_default_and_on_where_a_table_says(gpu_like, serving):
+    serving("qwen3_5_moe")
+    assert not pdl.l2_prefetch(DEV)
+    assert pdl.launch_options(DEV, prefetch=True) == {"PDL": True, "launch_pdl": True, "PREFETCH": False}
+    assert pdl.launch_options(DEV) == {"PDL": True, "launch_pdl": True}  # kernels without the constexpr
+    gpu_like[("armillary_qwen_gdn_moe", "sm_90")] = {"l2_prefetch": {"qwen3_5_moe": {"enabled": True}}}
+    with tuning.overlay("armillary_qwen_gdn_moe"):
+        assert pdl.l2_prefetch(DEV)
+        assert pdl.launch_options(DEV, prefetch=True) == {"PDL": True, "launch_pdl": True, "PREFETCH": True}
+        with pdl.graph_batch(64):  # PDL off in this graph (max_batch): nothing to prefetch during
+            gpu_like[("armillary_qwen_gdn_moe", "sm_90")]["pdl"] = {"qwen3_5_moe": {"max_batch": 8}}
+            tuning._CONFIGS.clear()
+            assert pdl.launch_options(DEV, prefetch=True) == {"PDL": False, "PREFETCH": False}
+
+
+@pytest.mark.parametrize("pdl_env, env, expected", [("", "1", True), ("", "0", False), ("0", "1", False)])
+def test_l2_prefetch_follows_the_environment_and_needs_pdl(gpu_like, monkeypatch, pdl_env, env, expected):
+    gpu_like[("armillary_qwen_gdn_moe", "sm_90")] = {"l2_prefetch": {"default": {"enabled": not expected}}}
+    monkeypatch.setenv("ARMILLARY_PDL", pdl_env)
+    monkeypatch.setenv("ARMILLARY_L2_PREFETCH", env)
+    with tuning.overlay("armillary_qwen_gdn_moe"):
+        assert pdl.l2_prefetch(DEV) is expected
+
+
+def test_l2_prefetch_never_off_the_gpu(monkeypatch):
+    monkeypatch.setenv("ARMILLARY_L2_PREFETCH", "1")
+    assert pdl.launch_options(torch.device("cpu"), prefetch=True) == {"PDL": False, "PREFETCH": False}

@@ -18,6 +18,7 @@ import torch
 
 from armillary.cuda_graphs import graph_buckets
 from armillary.forward_batch import ForwardBatch, LayerCache
+from armillary.kernels.triton.pdl import graph_batch
 from armillary.speculative.step import SpeculativeConfig
 from armillary.step_plan import StepPlan
 
@@ -74,21 +75,23 @@ class SpecGraphs:
         for b in reversed(self.buckets):
             batch = self._batch(b)
             chunk_index = torch.arange(b, device=self.tok.device)
-            for _ in range(2):  # warm-up outside the capture: Triton compiles, autotunes
-                hidden = self.model(batch)
-                self.model.compute_logits(hidden)
-                self.proposer.propose(batch, hidden, self.tok[2, : b * self.width], chunk_index, self.seq[1, :b], [])
-            self._pad(0, self.max_batch)
-            torch.cuda.synchronize()
-            forward, draft = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
-            with torch.cuda.graph(forward, pool=self.pool):
-                hidden = self.model(batch)
-                logits = self.model.compute_logits(hidden)
-            if self.pool is None:
-                self.pool = forward.pool()
-            with torch.cuda.graph(draft, pool=self.pool):
-                drafts = self.proposer.propose(batch, hidden, self.tok[2, : b * self.width], chunk_index,
-                                               self.seq[1, :b], [])
+            with graph_batch(b):
+                for _ in range(2):  # warm-up outside the capture: Triton compiles, autotunes
+                    hidden = self.model(batch)
+                    self.model.compute_logits(hidden)
+                    self.proposer.propose(batch, hidden, self.tok[2, : b * self.width], chunk_index, self.seq[1, :b],
+                                          [])
+                self._pad(0, self.max_batch)
+                torch.cuda.synchronize()
+                forward, draft = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+                with torch.cuda.graph(forward, pool=self.pool):
+                    hidden = self.model(batch)
+                    logits = self.model.compute_logits(hidden)
+                if self.pool is None:
+                    self.pool = forward.pool()
+                with torch.cuda.graph(draft, pool=self.pool):
+                    drafts = self.proposer.propose(batch, hidden, self.tok[2, : b * self.width], chunk_index,
+                                                   self.seq[1, :b], [])
             self.graphs[b] = (forward, draft)
             self.outputs[b] = (hidden, logits, drafts)
             self._inputs[b] = (batch, chunk_index)  # tensors made outside the capture: the graphs read them

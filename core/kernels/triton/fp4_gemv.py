@@ -31,7 +31,7 @@ from armillary.kernels import tuning
 from armillary.kernels.triton.device_buffers import ticket_buffer
 from armillary.kernels.triton.fp8_skinny import on_gpu, pdl_options, sm_count
 from armillary.kernels.triton.host import cdiv, next_power_of_2
-from armillary.kernels.triton.pdl import pdl_prologue
+from armillary.kernels.triton.pdl import pdl_launch_dependents, pdl_wait, prefetch_rows_l2
 from armillary.kernels.triton.split_k import split_k_epilogue
 
 FP4_GROUP = 16
@@ -95,18 +95,25 @@ def _fp4_skinny_kernel(
     M, N, K, stride_xm, stride_wn, stride_sn, stride_om, split_k,
     HAS_BIAS: tl.constexpr, USE_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr, EVEN_K: tl.constexpr,
     K_TILES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
+    PREFETCH: tl.constexpr,
 ):  # fmt: skip
     """Grid (N tiles, M tiles, split_k): program (n, m, s) computes out tile (m, n) over K tiles
     [s · K_TILES, (s + 1) · K_TILES) of BLOCK_K columns. w_ptr: int32 words [N, K / 8] (fma, stride_wn in
     words) or bytes [N, K / 2] (dot, stride_wn in bytes); s_ptr e4m3 [N, K / 16]; g_ptr fp32 [N].
     part_ptr [split_k, M, N] fp32, ticket_ptr [M tiles · N tiles] int32 (zero between calls)."""
-    pdl_prologue(PDL)
+    pdl_launch_dependents(PDL)
     pid_n, pid_m, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     n_ok, m_ok = offs_n < N, offs_m < M
     rows = offs_n % N  # clamped rows keep the weight loads unmasked (wide); their sums are not stored
     k_lo = pid_k * (K_TILES * BLOCK_K)
+    if PREFETCH:  # weights and their scales are not the previous kernel's: ask for them before waiting
+        k_hi = tl.minimum(k_lo + K_TILES * BLOCK_K, K)
+        per: tl.constexpr = 2 if USE_DOT else 8  # columns a weight element (byte / int32 word) holds
+        prefetch_rows_l2(w_ptr, rows, stride_wn, k_lo // per, k_hi // per, BLOCK_K // per)
+        prefetch_rows_l2(s_ptr, rows, stride_sn, k_lo // 16, k_hi // 16, BLOCK_K // 16)
+    pdl_wait(PDL)
     if USE_DOT:
         KB: tl.constexpr = BLOCK_K // 2
         offs_b = tl.arange(0, KB)
@@ -257,6 +264,6 @@ def fp4_skinny_gemm(x: torch.Tensor, w_packed: torch.Tensor, w_scale: torch.Tens
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         EVEN_K=k % (cfg["BLOCK_K"] * cfg["K_TILES"]) == 0, K_TILES=cfg["K_TILES"], BLOCK_M=cfg["BLOCK_M"],
         BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl_options(x.device),
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl_options(x.device, prefetch=True),
     )  # fmt: skip
     return out

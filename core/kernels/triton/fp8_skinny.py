@@ -33,7 +33,7 @@ import triton.language as tl
 from armillary.kernels import tuning
 from armillary.kernels.triton.device_buffers import ticket_buffer
 from armillary.kernels.triton.host import cdiv, next_power_of_2
-from armillary.kernels.triton.pdl import launch_options, pdl_prologue
+from armillary.kernels.triton.pdl import launch_options, pdl_launch_dependents, pdl_wait, prefetch_rows_l2
 from armillary.kernels.triton.skinny_gemm import _sm_count
 from armillary.kernels.triton.split_k import split_k_epilogue
 
@@ -62,9 +62,12 @@ def sm_count(device: torch.device) -> int:
     return OFFLINE_SM_COUNT or _sm_count(device)
 
 
-def pdl_options(device: torch.device) -> dict:
-    """``launch_options`` (programmatic dependent launch on sm_90+), on in the offline compile check."""
-    return {"PDL": True, "launch_pdl": True} if OFFLINE_SM_COUNT is not None else launch_options(device)
+def pdl_options(device: torch.device, prefetch: bool = False) -> dict:
+    """``launch_options`` (programmatic dependent launch on sm_90+; ``prefetch``: the kernel's ``PREFETCH`` too),
+    all on in the offline compile check."""
+    if OFFLINE_SM_COUNT is not None:
+        return {"PDL": True, "launch_pdl": True, **({"PREFETCH": True} if prefetch else {})}
+    return launch_options(device, prefetch)
 
 
 @triton.jit
@@ -153,13 +156,13 @@ def _fp8_skinny_kernel(
     GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, K_SCALED: tl.constexpr, ROWS_SHARE: tl.constexpr,
     HAS_BIAS: tl.constexpr, USE_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr, EVEN_K: tl.constexpr,
     K_TILES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NSUB: tl.constexpr,
-    SUB_K: tl.constexpr, FAST_BF16: tl.constexpr, PDL: tl.constexpr,
+    SUB_K: tl.constexpr, FAST_BF16: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr,
 ):  # fmt: skip
     """Grid (N tiles, M tiles, split_k): program (n, m, s) computes out tile (m, n) over K tiles
     [s · K_TILES, (s + 1) · K_TILES) of NSUB · SUB_K columns. part_ptr: [split_k, M, N] fp32;
     ticket_ptr: [M tiles · N tiles] int32, zero between calls. EVEN_K: no K masks needed. FAST_BF16: bf16 x
     on a GPU (``e4m3_to_bf16`` is inline PTX: the interpreter takes Triton's cast)."""
-    pdl_prologue(PDL)
+    pdl_launch_dependents(PDL)
     pid_n, pid_m, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -167,6 +170,9 @@ def _fp8_skinny_kernel(
     rows = offs_n % N  # clamped rows keep the weight loads unmasked (wide); their sums are not stored
     row_blk = (pid_n * BLOCK_N) // GROUP_N
     k_lo = pid_k * (K_TILES * NSUB * SUB_K)
+    if PREFETCH:  # the weights are not the previous kernel's: ask for them before waiting
+        prefetch_rows_l2(w_ptr, rows, stride_wn, k_lo, tl.minimum(k_lo + K_TILES * NSUB * SUB_K, K), NSUB * SUB_K)
+    pdl_wait(PDL)
     if USE_DOT:  # NSUB == 1: one scale per tile
         offs_k = tl.arange(0, SUB_K)
         acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
@@ -288,6 +294,6 @@ def fp8_skinny_gemm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, 
         EVEN_K=k % (width * cfg["K_TILES"]) == 0, K_TILES=cfg["K_TILES"], BLOCK_M=cfg["BLOCK_M"],
         BLOCK_N=cfg["BLOCK_N"], NSUB=cfg["NSUB"], SUB_K=cfg["SUB_K"],
         FAST_BF16=cfg.get("fast_bf16", True) and x.dtype == torch.bfloat16 and on_gpu(x.device),
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl_options(x.device),
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl_options(x.device, prefetch=True),
     )  # fmt: skip
     return out

@@ -7,11 +7,20 @@ hides most of the per-launch latency inside the CUDA graph. Kernels opt in with 
 and their wrappers pass ``**launch_options(device)``. Whether it pays depends on the model's kernel chain
 (GLM-4.7-Flash decode gains 5%, Gemma 4 loses 7%), so the tuning tables decide per served architecture
 (``"pdl": {"gemma4": {"enabled": false}}`` in a plugin's table, keyed by the registry name, or ``"default"``
-for all its models); ``ARMILLARY_PDL=0`` / ``=1`` overrides them.
+for all its models); ``ARMILLARY_PDL=0`` / ``=1`` overrides them. Bigger decode batches can lose what small ones
+gain (FP8 Qwen3.6 at 64 streams ran 1.8% faster without it): an entry's ``max_batch`` captures the decode graphs
+of more sequences without PDL (``graph_batch`` tells the launches which graph they are in).
+
+While a PDL kernel waits for the one before, the weights it will read cannot change: kernels with a ``PREFETCH``
+constexpr ask L2 for their weight tile first (``prefetch_rows_l2``), then wait, so the tile streams in during the
+previous kernel's tail. A hint only (L2 is coherent: a prefetched line is never stale); on where ``l2_prefetch``
+says (``ARMILLARY_L2_PREFETCH=0`` / ``=1``, else the tables' ``l2_prefetch`` entry, default off) and PDL is on.
 """
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from functools import lru_cache
 
 import torch
@@ -48,12 +57,26 @@ def pdl_available(device: torch.device) -> bool:
 
 
 _DECIDED: dict[tuple, bool] = {}  # every launch asks (an eager prefill ~1,400 times): one answer per setting
+_graph_batch: int | None = None  # sequences of the decode graph being warmed up or captured; None: any other launch
+
+
+@contextmanager
+def graph_batch(num_seqs: int) -> Iterator[None]:
+    """Launches inside belong to the decode graph of ``num_seqs`` sequences (its warm-up and its capture)."""
+    global _graph_batch
+    saved, _graph_batch = _graph_batch, num_seqs
+    try:
+        yield
+    finally:
+        _graph_batch = saved
 
 
 def pdl_enabled(device: torch.device) -> bool:
-    """Available, and asked for by ``ARMILLARY_PDL`` or else the tables' ``pdl`` entry (default on)."""
+    """Available, and asked for by ``ARMILLARY_PDL`` or else the tables' ``pdl`` entry (default on; off inside
+    decode graphs of more than its ``max_batch`` sequences)."""
     env = os.environ.get("ARMILLARY_PDL", "")
-    key = (device, env, active_architecture(), tuning.active_packages(), tuning.load_table, pdl_available)
+    key = (device, env, active_architecture(), tuning.active_packages(), tuning.load_table, pdl_available,
+           _graph_batch)
     decided = _DECIDED.get(key)
     if decided is None:
         decided = _DECIDED[key] = _decide(device, env)
@@ -67,17 +90,44 @@ def _decide(device: torch.device, env: str) -> bool:
     if forced is not None:
         return forced
     table_key = active_architecture() or "default"
-    return bool(kernel_config("armillary.kernels", "pdl", table_key, {"enabled": True}, device)["enabled"])
+    entry = kernel_config("armillary.kernels", "pdl", table_key, {"enabled": True, "max_batch": None}, device)
+    too_big = entry["max_batch"] is not None and _graph_batch is not None and _graph_batch > entry["max_batch"]
+    return bool(entry["enabled"]) and not too_big
+
+
+def l2_prefetch(device: torch.device) -> bool:
+    """PDL on, and ``ARMILLARY_L2_PREFETCH`` or else the tables' ``l2_prefetch`` entry (per served architecture,
+    or "default") asks for weight prefetches before the wait (default off)."""
+    if not pdl_enabled(device):
+        return False
+    env = os.environ.get("ARMILLARY_L2_PREFETCH", "")
+    key = ("l2_prefetch", device, env, active_architecture(), tuning.active_packages(), tuning.load_table)
+    decided = _DECIDED.get(key)
+    if decided is None:
+        forced = pdl_override(env)
+        if forced is None:
+            entry = kernel_config("armillary.kernels", "l2_prefetch", active_architecture() or "default",
+                                  {"enabled": False}, device)
+            forced = bool(entry["enabled"])
+        decided = _DECIDED[key] = forced
+    return decided
 
 
 _ON, _OFF = {"PDL": True, "launch_pdl": True}, {"PDL": False}
+_ON_PREFETCH = {"PDL": True, "launch_pdl": True, "PREFETCH": True}
+_ON_NO_PREFETCH, _OFF_NO_PREFETCH = {**_ON, "PREFETCH": False}, {**_OFF, "PREFETCH": False}
 
 
-def launch_options(device: torch.device) -> dict:
-    """Extra launch keywords for a kernel with a ``PDL`` constexpr: ``PDL`` itself and ``launch_pdl``.
+def launch_options(device: torch.device, prefetch: bool = False) -> dict:
+    """Extra launch keywords for a kernel with a ``PDL`` constexpr: ``PDL`` itself and ``launch_pdl``;
+    ``prefetch``: the kernel has a ``PREFETCH`` constexpr too (``l2_prefetch``'s answer).
 
     One shared dict per answer: callers unpack it (``**launch_options(device)``), never change it."""
-    return _ON if pdl_enabled(device) else _OFF
+    if not prefetch:
+        return _ON if pdl_enabled(device) else _OFF
+    if not pdl_enabled(device):
+        return _OFF_NO_PREFETCH
+    return _ON_PREFETCH if l2_prefetch(device) else _ON_NO_PREFETCH
 
 
 @triton.jit
@@ -86,3 +136,38 @@ def pdl_prologue(PDL: tl.constexpr):
     if PDL:
         gdc_launch_dependents()
         gdc_wait()
+
+
+@triton.jit
+def pdl_launch_dependents(PDL: tl.constexpr):
+    """``pdl_prologue``'s first half: the next kernel may launch now (work that reads nothing written before may
+    follow, e.g. ``prefetch_rows_l2``)."""
+    if PDL:
+        gdc_launch_dependents()
+
+
+@triton.jit
+def pdl_wait(PDL: tl.constexpr):
+    """``pdl_prologue``'s second half: wait until the previous kernel has finished and its writes are visible."""
+    if PDL:
+        gdc_wait()
+
+
+@triton.jit
+def prefetch_l2(ptrs):
+    """Ask L2 for the 128-byte line at each of ``ptrs`` (in bounds); nothing waits for it, nothing is returned."""
+    tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
+                              is_pure=False, pack=1)
+
+
+@triton.jit
+def prefetch_rows_l2(ptr, rows, stride, k_lo, k_hi, BLOCK_K: tl.constexpr):
+    """L2 prefetches of a weight tile: rows ``rows`` ([R], in bounds) of a row-major matrix, columns [k_lo, k_hi)
+    (at least one), one 128-byte line at a time, ``BLOCK_K`` columns (a power of two) an iteration."""
+    ELEM_BYTES: tl.constexpr = ptr.dtype.element_ty.primitive_bitwidth // 8
+    LINES: tl.constexpr = (BLOCK_K * ELEM_BYTES + 127) // 128
+    STEP: tl.constexpr = BLOCK_K // LINES  # a line's columns, or the whole BLOCK_K when that is less
+    row_ptrs = ptr + rows[:, None].to(tl.int64) * stride  # [R, 1]
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        cols = tl.minimum(k0 + tl.arange(0, LINES) * STEP, k_hi - 1)  # [LINES]; clamped: never past the row
+        prefetch_l2(row_ptrs + cols[None, :])

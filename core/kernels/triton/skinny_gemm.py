@@ -24,7 +24,7 @@ import triton.language as tl
 from armillary.kernels import tuning
 from armillary.kernels.triton.device_buffers import ticket_buffer
 from armillary.kernels.triton.host import cdiv, next_power_of_2
-from armillary.kernels.triton.pdl import launch_options, pdl_prologue
+from armillary.kernels.triton.pdl import launch_options, pdl_launch_dependents, pdl_wait, prefetch_rows_l2
 from armillary.kernels.triton.split_k import split_k_epilogue
 
 TUNING_PACKAGE = "armillary.kernels"
@@ -57,14 +57,14 @@ def _skinny_gemm_kernel(
     x_ptr, w_ptr, bias_ptr, out_ptr, part_ptr, ticket_ptr,
     M, N, K, stride_xm, stride_wn, stride_om, blocks_per_split, split_k,
     HAS_BIAS: tl.constexpr, USE_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr, EVEN_K: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr,
 ):  # fmt: skip
     """Grid (N tiles, M tiles, split_k): program (n, m, s) computes out tile (m, n) over K range s.
 
     Split s covers K blocks [s, s + 1) * blocks_per_split; EVEN_K: K is a multiple of BLOCK_K (no K masks).
     part_ptr: [split_k, M, N] fp32 partials; ticket_ptr: [M tiles * N tiles] int32, all 0 between calls.
     """
-    pdl_prologue(PDL)
+    pdl_launch_dependents(PDL)
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -75,6 +75,9 @@ def _skinny_gemm_kernel(
     m_ok = offs_m < M
     k_lo = pid_k * blocks_per_split * BLOCK_K  # a multiple of BLOCK_K the compiler can see: vector loads
     k_hi = tl.minimum(k_lo + blocks_per_split * BLOCK_K, K)
+    if PREFETCH:  # the weights are not the previous kernel's: ask for them before waiting
+        prefetch_rows_l2(w_ptr, tl.minimum(offs_n, N - 1), stride_wn, k_lo, k_hi, BLOCK_K)
+    pdl_wait(PDL)
     w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]  # [BN, BK]
     x_ptrs = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :]  # [BM, BK]
     if USE_DOT:
@@ -205,6 +208,6 @@ def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
         HAS_BIAS=bias is not None, USE_DOT=launch["USE_DOT"],
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", EVEN_K=k % launch["BLOCK_K"] == 0,
         BLOCK_M=launch["BLOCK_M"], BLOCK_N=launch["BLOCK_N"], BLOCK_K=launch["BLOCK_K"],
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **launch_options(x.device),
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **launch_options(x.device, prefetch=True),
     )  # fmt: skip
     return out
