@@ -10,6 +10,7 @@ import torch
 from armillary.kernels.norm import rms_norm
 from armillary.kernels.triton.device_buffers import ticket_buffer
 from armillary.kernels.triton.moe_routing import topk_sigmoid_bias
+from armillary.testing.offline_ptx import assert_prefetch_before_wait, kernel_ptx
 from armillary_glm_flash.ops import norm_gemv as ng
 from armillary_glm_flash.ops.router import router_logits
 from armillary_glm_flash.ops.router_topk import MAX_ROWS, router_topk
@@ -111,3 +112,15 @@ def test_router_topk_row_limit_comes_from_the_table(monkeypatch):
     monkeypatch.setattr(tuning, "device_target", lambda device=None: "sm_90")
     monkeypatch.setattr(tuning, "gpu_name", lambda device=None: None)
     assert rt.max_rows(torch.device("cpu")) == 0
+
+
+@pytest.mark.parametrize("use_dot", [False, True])
+def test_norm_gemv_prefetches_its_weights_before_the_pdl_wait_on_sm90(use_dot):
+    """Compiled offline for sm_90 with PDL and PREFETCH: W's L2 prefetches sit between launch and wait."""
+    consts = {"ROWS": 16 if use_dot else 1, "BLOCK_N": 64 if use_dot else 8, "BLOCK_K": 256, "USE_DOT": use_dot,
+              "DOT_PRECISION": "tf32", "EVEN_K": True, "PDL": True, "PREFETCH": True}
+    signature = {"x_ptr": "*bf16", "nw_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16",
+                 **{k: "i32" for k in ("M", "N", "K", "stride_xm", "stride_wn", "stride_om")}, "eps": "fp32",
+                 **{k: "constexpr" for k in consts}}
+    assert_prefetch_before_wait(kernel_ptx("armillary_glm_flash.ops.norm_gemv", "_norm_gemv_kernel", signature, consts),
+                                prefetch=True)

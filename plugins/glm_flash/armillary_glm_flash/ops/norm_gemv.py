@@ -19,7 +19,7 @@ import triton.language as tl
 
 from armillary.kernels import ops, tuning
 from armillary.kernels.triton.host import cdiv, next_power_of_2
-from armillary.kernels.triton.pdl import launch_options, pdl_prologue
+from armillary.kernels.triton.pdl import launch_options, pdl_launch_dependents, pdl_wait, prefetch_rows_l2
 
 PACKAGE = "armillary_glm_flash"
 KERNEL = "norm_gemv"
@@ -31,11 +31,14 @@ DEFAULTS = {"use": False, "max_rows": 8, "path": "fma", "BLOCK_N": 8, "BLOCK_K":
 @triton.jit
 def _norm_gemv_kernel(x_ptr, nw_ptr, w_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om, eps,
                       ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_DOT: tl.constexpr,
-                      DOT_PRECISION: tl.constexpr, EVEN_K: tl.constexpr, PDL: tl.constexpr):
+                      DOT_PRECISION: tl.constexpr, EVEN_K: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr):
     """Grid (cdiv(N, BLOCK_N),): out[:, tile] for every row (ROWS: the rows rounded up, 16+ with USE_DOT)."""
-    pdl_prologue(PDL)
+    pdl_launch_dependents(PDL)
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
+    if PREFETCH:  # W is not the previous kernel's: ask L2 for this tile's rows before waiting
+        prefetch_rows_l2(w_ptr, tl.minimum(offs_n, N - 1), stride_wn, 0, K, BLOCK_K)
+    pdl_wait(PDL)
     offs_k = tl.arange(0, BLOCK_K)
     rows = tl.arange(0, ROWS)
     m_ok = rows < M
@@ -119,5 +122,5 @@ def norm_gemv(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: to
         x, norm_weight, weight, out, rows, n, k, x.stride(0), weight.stride(0), out.stride(0), float(eps),
         ROWS=row_block, BLOCK_N=block_n, BLOCK_K=block_k, USE_DOT=use_dot,
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", EVEN_K=k % block_k == 0,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **launch_options(x.device))
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **launch_options(x.device, prefetch=True))
     return out
