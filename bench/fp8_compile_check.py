@@ -32,6 +32,7 @@ from triton.compiler import ASTSource, make_backend
 from triton.runtime.jit import JITFunction, create_function_from_signature
 
 from armillary.kernels.triton import fp8_gemm, fp8_moe, fp8_skinny, kv_cache
+from armillary.kernels.triton.moe_align import moe_align
 
 SM90 = GPUTarget("cuda", 90, 32)
 SM90_SMEM = 232448  # opt-in shared memory per block on H100 / H200
@@ -70,6 +71,8 @@ def record_launches(quick: bool) -> list[tuple[JITFunction, tuple, dict, str]]:
             fp8_moe.fp8_fused_moe(torch.zeros(t, H, dtype=torch.bfloat16), w13, s13, w2, s2, 128, 128,
                                   torch.rand(t, TOP_K), ids, "silu", grouped=t > 1 and quick or None,
                                   block_m=128 if quick and t == 9 else None)  # 9: the 128-row 8-warp tiles
+        where[0] = "moe_align one program T=64"  # a 64-stream decode step's pairs (8 routed + 1 shared)
+        moe_align(torch.randint(0, E, (64, TOP_K + 1), dtype=torch.int32), E + 1, 16, one_program=True)
         where[0] = "fp8 KV store"
         kv = torch.empty(64, 16, 2, 256, dtype=torch.float8_e4m3fn)
         x = torch.zeros(4, 2, 256, dtype=torch.bfloat16)
@@ -110,6 +113,8 @@ def compile_all(launches) -> list[dict]:
                        wgmma_e4m3=len(re.findall(r"wgmma\.mma_async[^\n]*e4m3", ptx)),
                        mma=len(re.findall(r"\bmma\.sync|wgmma\.mma_async", ptx)),
                        l2_prefetch=len(re.findall(r"prefetch\.global\.L2", ptx)),
+                       barriers=len(re.findall(r"\bbar\.sync|barrier\.sync", ptx)),
+                       atomics=len(re.findall(r"\batom\.global|\bred\.global", ptx)),
                        approx_div=len(re.findall(r"div\.(?:full|approx)(?:\.ftz)?\.f32", ptx)),
                        sign_flips=len(re.findall(r"neg\.f32|sub(?:\.ftz)?\.f32\s+%\w+,\s*0f00000000,", ptx)))
             if fn.fn.__name__ in EXACT_KERNELS and row["approx_div"]:  # must round as torch: IEEE divisions only

@@ -10,7 +10,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 KERNELS = {"_fp8_skinny_kernel", "_quant_act_kernel", "_fp8_block_gemm_kernel", "_gemv_up_kernel",
-           "_gemv_down_kernel", "_grouped_kernel", "_write_kv_kernel"}
+           "_gemv_down_kernel", "_grouped_kernel", "_write_kv_kernel", "_align_one_program_kernel"}
 
 
 @pytest.fixture(scope="module")
@@ -54,3 +54,9 @@ def test_skinny_gemm_asks_l2_for_its_weights_before_waiting(rows):
     """With PDL the fp8 decode GEMM prefetches its weight tile (the check compiles ``PREFETCH`` on)."""
     skinny = [r for r in rows if r["kernel"] == "_fp8_skinny_kernel"]
     assert skinny and all(r["l2_prefetch"] > 0 and r["constexprs"].get("PREFETCH") is True for r in skinny), skinny
+
+
+def test_one_program_alignment_orders_its_phases_with_barriers(rows):
+    """The one-launch moe_align: its four phases a barrier apart (bar.sync), ranks from global atomics."""
+    align = [r for r in rows if r["kernel"] == "_align_one_program_kernel"]
+    assert align and all(r["barriers"] >= 3 and r["atomics"] >= 1 for r in align), align

@@ -94,11 +94,12 @@ def test_topk_sigmoid_bias_matches_reference(num_tokens, renormalize):
     assert torch.equal(weights[:, top_k:].cpu(), torch.ones(num_tokens, 2))
 
 
+@pytest.mark.parametrize("one_program", [False, True])
 @pytest.mark.parametrize("num_tokens", [1, 3, 17])
-def test_moe_align_groups_every_pair_once(num_tokens):
+def test_moe_align_groups_every_pair_once(num_tokens, one_program):
     _, _, _, _, ids = make_moe(num_tokens, torch.float32, True, seed=num_tokens)
     block_m = 4
-    align = moe_align(ids, E, block_m)
+    align = moe_align(ids, E, block_m, one_program=one_program)
     flat = ids.reshape(-1).cpu()
     counts = torch.bincount(flat, minlength=E)
     offsets, sorted_ids = align.expert_offsets.cpu(), align.sorted_pair_ids.cpu()
@@ -117,6 +118,38 @@ def test_moe_align_groups_every_pair_once(num_tokens):
     assert sorted(seen) == list(range(flat.numel()))
     used = offsets[E].item() // block_m
     assert bool((blocks[used:] == -1).all()) and used <= align.max_blocks
+
+
+@pytest.mark.parametrize("num_tokens, experts, block_m", [(64, 257, 16), (5, 129, 64), (1, 3, 16)])
+def test_one_program_alignment_equals_the_two_launch_one(num_tokens, experts, block_m):
+    """A decode batch's shape (64 tokens x 8 routed + 1 shared of 257 experts): the one-launch path's counts,
+    offsets and block map equal the two-launch path's, and each expert's rows hold the same pairs."""
+    g = torch.Generator().manual_seed(num_tokens)
+    ids = torch.cat([torch.randint(0, experts - 1, (num_tokens, 8), generator=g),
+                     torch.full((num_tokens, 1), experts - 1)], dim=1).to(torch.int32).to(DEVICE)
+    one, two = (moe_align(ids, experts, block_m, one_program=flag) for flag in (True, False))
+    for name in ("expert_counts", "expert_offsets", "block_expert"):
+        assert torch.equal(getattr(one, name), getattr(two, name)), name
+    offsets, counts = two.expert_offsets.cpu(), two.expert_counts.cpu()
+    for e in range(experts):
+        rows = slice(offsets[e].item(), offsets[e].item() + counts[e].item())
+        assert sorted(one.sorted_pair_ids.cpu()[rows].tolist()) == sorted(two.sorted_pair_ids.cpu()[rows].tolist())
+
+
+def test_the_table_picks_the_one_program_path_by_pair_count(monkeypatch):
+    from armillary.kernels.triton import moe_align as align_mod
+
+    launched = []
+    real = align_mod._align_one_program_kernel
+    monkeypatch.setattr(align_mod, "_align_one_program_kernel", type("Spy", (), {
+        "__getitem__": lambda self, grid: (launched.append(grid), real[grid])[1]})())
+    monkeypatch.setattr(align_mod, "one_program_config", lambda device: {"one_program_max_pairs": 24, "num_warps": 4})
+    ids = torch.randint(0, 7, (3, 8), dtype=torch.int32).to(DEVICE)
+    moe_align(ids, 7, 4)  # 24 pairs: one program
+    moe_align(torch.cat([ids, ids[:1]]), 7, 4)  # 32: two launches
+    assert launched == [(1,)]
+    with pytest.raises(ValueError, match="one program"):
+        moe_align(torch.zeros(0, 8, dtype=torch.int32, device=DEVICE), 7, 4, one_program=True)
 
 
 @pytest.mark.parametrize("num_tokens", [1, 3, 17])

@@ -2,7 +2,9 @@
 
 Two launches after a memset: per-pair ranks inside each expert from atomics, then a scatter that
 also maps every block to its expert. The block count is bounded on the host from shapes alone,
-so a grouped GEMM can launch a worst-case grid and be captured in a CUDA graph.
+so a grouped GEMM can launch a worst-case grid and be captured in a CUDA graph. Few pairs (a decode
+batch's, up to the ``moe_align`` table entry's ``one_program_max_pairs``) can take one launch instead:
+a single program runs the memset, the ranks, the offsets and the scatter as phases between barriers.
 """
 from __future__ import annotations
 
@@ -12,6 +14,10 @@ import torch
 import triton
 import triton.language as tl
 from armillary.kernels.triton.host import cdiv, next_power_of_2
+from armillary.kernels.tuning import kernel_config
+
+ONE_PROGRAM_DEFAULTS = {"one_program_max_pairs": 0, "num_warps": 8}  # off until measured on a GPU
+ONE_PROGRAM_LIMIT = 2048  # pairs one program holds in registers (8 a thread at 8 warps)
 
 
 @dataclass(slots=True)
@@ -89,19 +95,67 @@ def _scatter_kernel(
     tl.store(block_expert_ptr + offs, owner, mask=offs < max_blocks)
 
 
-def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> MoeAlignment:
-    """Group the pairs of ``topk_ids`` ([T, k], int32 or int64, values < num_experts) by expert."""
+@triton.jit
+def _align_one_program_kernel(ids_ptr, counts_ptr, sorted_ptr, block_expert_ptr, offsets_ptr, num_pairs, num_experts,
+                              max_blocks, BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_E: tl.constexpr,
+                              BLOCK_B: tl.constexpr):
+    """Grid (1,): ``moe_align``'s result for at most BLOCK_P pairs. Phases, a barrier apart: counts zeroed and
+    every block marked unused; ranks from atomics; padded offsets from the counts; each pair stored at its row,
+    and the pair opening a block names that block's expert. Reads of what the phase before wrote skip L1."""
+    experts = tl.arange(0, BLOCK_E)
+    e_ok = experts < num_experts
+    tl.store(counts_ptr + experts, tl.zeros([BLOCK_E], dtype=tl.int32), mask=e_ok)
+    for b0 in range(0, max_blocks, BLOCK_B):
+        blocks = b0 + tl.arange(0, BLOCK_B)
+        tl.store(block_expert_ptr + blocks, tl.full([BLOCK_B], -1, dtype=tl.int32), mask=blocks < max_blocks)
+    tl.debug_barrier()
+    offs = tl.arange(0, BLOCK_P)
+    pair_ok = offs < num_pairs
+    expert = tl.load(ids_ptr + offs, mask=pair_ok, other=0).to(tl.int32)
+    rank = tl.atomic_add(counts_ptr + expert, 1, mask=pair_ok)  # the order among equal experts is arbitrary
+    tl.debug_barrier()
+    counts = tl.load(counts_ptr + experts, mask=e_ok, other=0, cache_modifier=".cg")
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    pad_end = tl.cumsum(padded, axis=0)  # [BLOCK_E]
+    tl.store(offsets_ptr + experts, pad_end - padded, mask=e_ok)
+    tl.store(offsets_ptr + num_experts, tl.sum(padded, axis=0))
+    tl.debug_barrier()
+    row = tl.load(offsets_ptr + expert, mask=pair_ok, other=0, cache_modifier=".cg") + rank  # [BLOCK_P]
+    tl.store(sorted_ptr + row, offs, mask=pair_ok)
+    tl.store(block_expert_ptr + row // BLOCK_M, expert, mask=pair_ok & (rank % BLOCK_M == 0))
+
+
+def one_program_config(device: torch.device) -> dict:
+    """``one_program_max_pairs`` (0: never) and warps of the one-launch path: defaults, then the tables."""
+    return kernel_config("armillary.kernels", "moe_align", "default", ONE_PROGRAM_DEFAULTS, device)
+
+
+def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int, one_program: bool | None = None) -> MoeAlignment:
+    """Group the pairs of ``topk_ids`` ([T, k], int32 or int64, values < num_experts) by expert.
+
+    ``one_program``: force (True) or forbid (False) the one-launch path; None: the table decides by pair count."""
     ids = topk_ids.reshape(-1)
     if not ids.is_contiguous():
         ids = ids.contiguous()
     num_pairs = ids.numel()
     device = ids.device
     max_blocks = max_aligned_blocks(num_pairs, num_experts, block_m)
-    counts = torch.zeros(num_experts, dtype=torch.int32, device=device)
-    rank = torch.empty(num_pairs, dtype=torch.int32, device=device)
     sorted_pair_ids = torch.empty(max_blocks * block_m, dtype=torch.int32, device=device)
     block_expert = torch.empty(max_blocks, dtype=torch.int32, device=device)
     offsets = torch.empty(num_experts + 1, dtype=torch.int32, device=device)
+    cfg = one_program_config(device)
+    if one_program is None:
+        one_program = 0 < num_pairs <= min(cfg["one_program_max_pairs"], ONE_PROGRAM_LIMIT)
+    if one_program:
+        if not 0 < num_pairs <= ONE_PROGRAM_LIMIT:
+            raise ValueError(f"moe_align: one program takes 1..{ONE_PROGRAM_LIMIT} pairs, not {num_pairs}")
+        counts = torch.empty(num_experts, dtype=torch.int32, device=device)
+        _align_one_program_kernel[(1,)](ids, counts, sorted_pair_ids, block_expert, offsets, num_pairs, num_experts,
+                                        max_blocks, BLOCK_M=block_m, BLOCK_P=next_power_of_2(num_pairs),
+                                        BLOCK_E=next_power_of_2(num_experts), BLOCK_B=256, num_warps=cfg["num_warps"])
+        return MoeAlignment(sorted_pair_ids, block_expert, offsets, counts, block_m, max_blocks)
+    counts = torch.zeros(num_experts, dtype=torch.int32, device=device)
+    rank = torch.empty(num_pairs, dtype=torch.int32, device=device)
     count_block = 256
     _count_and_rank_kernel[(cdiv(num_pairs, count_block),)](ids, counts, rank, num_pairs, BLOCK=count_block)
     block_e = next_power_of_2(num_experts)
