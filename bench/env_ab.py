@@ -4,10 +4,14 @@ between hosts and over time falls on both sides alike; prints each run's figures
 
     python bench/env_ab.py --env ARMILLARY_L2_PREFETCH=0 --env ARMILLARY_L2_PREFETCH=1 --repeat 2 -- \\
         python bench/profile_step.py --model qwen --fp8 --scenarios decode decode:64 --no-profile
+
+A table decision goes through ``ARMILLARY_TUNING`` (a table as JSON over every tuning table); a setting holding a
+comma is given whole with ``--env-json`` (``{"ARMILLARY_TUNING": "{...}"}``).
 """
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 import statistics
@@ -28,7 +32,8 @@ def settings(pairs: list[str]) -> list[dict[str, str]]:
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--env", action="append", required=True, help="NAME=VALUE[,NAME=VALUE]: one setting")
+    ap.add_argument("--env", action="append", default=[], help="NAME=VALUE[,NAME=VALUE]: one setting")
+    ap.add_argument("--env-json", action="append", default=[], help='one setting as a JSON object {"NAME": "VALUE"}')
     ap.add_argument("--repeat", type=int, default=2)
     ap.add_argument("--timeout", type=float, default=600)
     ap.add_argument("command", nargs=argparse.REMAINDER)
@@ -36,10 +41,13 @@ def main() -> int:
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     if not command:
         ap.error("no command after --")
+    runs = settings(args.env) + [json.loads(text) for text in args.env_json]
+    if not runs:
+        ap.error("no --env / --env-json setting")
     figures: dict[tuple[str, str], list[float]] = defaultdict(list)
     failed = 0
     for r in range(args.repeat):
-        for setting in settings(args.env):
+        for setting in runs:
             tag = ",".join(f"{k}={v}" for k, v in setting.items())
             proc = subprocess.run(command, env={**os.environ, **setting}, capture_output=True, text=True,
                                   timeout=args.timeout)

@@ -231,6 +231,20 @@ def test_tuning_overlay_order(tmp_path, monkeypatch, fake_gpu):
         assert tuning.kernel_config("tplug_pkg", "k", "s1", defaults)["a"] == 5  # a plugin's own kernel
     assert tuning.active_packages() == () and cfg()["d"] == 1
     assert defaults == {"a": 0, "b": 0, "c": 0, "d": 0, "e": 0}
+    try:  # ARMILLARY_TUNING's table lies over every table, its "default" before its key
+        tuning.use_env_table('{"k": {"default": {"e": 7, "b": 8}, "s1": {"a": 6}}}')
+        with tuning.overlay("tplug_pkg"):
+            assert cfg() == {"a": 6, "b": 8, "c": 1, "d": 4, "e": 7}
+            assert cfg("s2")["a"] == 5
+    finally:
+        tuning.use_env_table("")
+    assert cfg() == {"a": 1, "b": 2, "c": 1, "d": 1, "e": 0}
+
+
+@pytest.mark.parametrize("text", ["{not json", '{"k": 1}', '{"k": {"s1": 2}}', "[1]"])
+def test_a_malformed_tuning_environment_is_refused(text):
+    with pytest.raises(ValueError, match="ARMILLARY_TUNING"):
+        tuning.parse_env_table(text)
 
 
 def qwen_resolved_configs() -> dict:

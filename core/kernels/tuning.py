@@ -10,10 +10,13 @@ overlays, lowest first: ``package``'s capability table, its GPU table, then the 
 active overlay package (the served architecture's plugin, set through ``ops.install``), each
 table's ``"default"`` entry before its ``key`` entry. So a plugin's table carries its models'
 shapes, core's the generic entries, and a GPU's own table what differs from its capability's.
+``ARMILLARY_TUNING`` (a JSON object shaped like a table, read at import) lies over all of them, for A/B runs
+of one table decision through the real engine (``bench/env_ab.py``).
 """
 from __future__ import annotations
 
 import json
+import os
 import re
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -23,6 +26,24 @@ from importlib import resources
 import torch
 
 _overlay: tuple[str, ...] = ()  # packages whose tables lie over the kernel's own, lowest first
+
+
+def parse_env_table(text: str) -> dict:
+    """``ARMILLARY_TUNING``'s table: ``{"kernel": {"default" or key: {...}}}``; {} when empty."""
+    if not text.strip():
+        return {}
+    try:
+        table = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"ARMILLARY_TUNING is not JSON ({e}): {text!r}") from None
+    if not isinstance(table, dict) or not all(
+            isinstance(entries, dict) and all(isinstance(v, dict) for v in entries.values())
+            for entries in table.values()):
+        raise ValueError(f'ARMILLARY_TUNING must look like a table, {{"kernel": {{"key": {{...}}}}}}: {text!r}')
+    return table
+
+
+_env_table: dict = parse_env_table(os.environ.get("ARMILLARY_TUNING", ""))
 _architecture: str | None = None  # the served architecture's registry name: a key for per-model entries
 
 
@@ -147,13 +168,20 @@ def _copy(entries: dict) -> dict:
 def _kernel_config(package: str, kernel: str, key: str, defaults: dict, device: torch.device | None) -> dict:
     cfg = dict(defaults)
     targets = device_targets(device)
-    for pkg in _packages(package):
-        for target in targets:
-            entries = load_table(pkg, target).get(kernel)
-            if entries:
-                cfg.update(entries.get("default", ()))
-                cfg.update(entries.get(key, ()))
+    layers = [load_table(pkg, target) for pkg in _packages(package) for target in targets]
+    for table in (*layers, _env_table):
+        entries = table.get(kernel)
+        if entries:
+            cfg.update(entries.get("default", ()))
+            cfg.update(entries.get(key, ()))
     return cfg
+
+
+def use_env_table(text: str) -> None:
+    """Replace ``ARMILLARY_TUNING``'s table for this process (tests); forgets remembered answers."""
+    global _env_table
+    _env_table = parse_env_table(text)
+    _CONFIGS.clear()
 
 
 def table_layers(package: str, device: torch.device | None = None) -> list[tuple[str, str]]:
