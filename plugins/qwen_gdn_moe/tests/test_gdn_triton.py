@@ -259,3 +259,24 @@ def test_fused_decode_out_slots_chain_keeps_every_state(config):
     assert torch.equal(got_conv.cpu()[slots], conv_states[slots])  # the sources were only read
     assert torch.equal(got_ssm.cpu()[slots], ssm_states[slots])
     assert not ticket_buffer(torch.device(DEVICE), 0).any()
+
+
+@pytest.mark.parametrize("split", [False, True])
+def test_fused_decode_prefetches_its_state_before_the_pdl_wait_on_sm90(split):
+    """Compiled offline for sm_90 with PDL and PREFETCH (Qwen3.6's 16 key / 32 value heads of 128): the state
+    tile's L2 prefetches, and the one slot-row load they need, come before the wait."""
+    from armillary.testing.offline_ptx import assert_prefetch_before_wait, kernel_ptx
+
+    ptrs = ("mixed", "conv_weight", "conv_states", "ssm_states", "a_log", "dt_bias", "norm_weight", "state_slots",
+            "out_slots", "out", "tickets", "rows", "partials")
+    types = dict.fromkeys(ptrs, "*fp32") | {"mixed": "*bf16", "conv_weight": "*bf16", "conv_states": "*bf16",
+                                             "norm_weight": "*bf16", "out": "*bf16", "state_slots": "*i32",
+                                             "out_slots": "*i32", "tickets": "*i32"}
+    ints = dict.fromkeys(("stride_mixed", "stride_w", "stride_conv", "stride_ssm", "stride_out"), "i32")
+    consts = {"NUM_K_HEADS": 16, "GROUP": 2, "K": 128, "V": 128, "KW": 4, "KW_P2": 4, "BK": 128,
+              "BV": 16 if split else 128, "SPLIT": split, "NV": 8 if split else 1, "NV_P2": 8 if split else 1,
+              "BV_ROW": 128, "PDL": True, "PREFETCH": True}
+    signature = {**types, **ints, "eps": "fp32", "scale": "fp32", **dict.fromkeys(consts, "constexpr")}
+    ptx = kernel_ptx("armillary_qwen_gdn_moe.ops.gated_delta_rule.fused_recurrent", "_gdn_decode_kernel", signature,
+                     consts)
+    assert_prefetch_before_wait(ptx, prefetch=True, loads_before_wait=1)

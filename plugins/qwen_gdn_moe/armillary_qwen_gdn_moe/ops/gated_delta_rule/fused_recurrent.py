@@ -29,7 +29,7 @@ import triton.language as tl
 
 from armillary.kernels.triton.device_buffers import device_buffer, ticket_buffer
 from armillary.kernels.triton.host import cdiv, next_power_of_2
-from armillary.kernels.triton.pdl import launch_options, pdl_prologue
+from armillary.kernels.triton.pdl import launch_options, pdl_launch_dependents, pdl_wait, prefetch_rows_l2
 from armillary.kernels.tuning import kernel_config
 
 # split_bv: 0 walks each key head's value heads in one program; a power of two splits V in BV columns
@@ -262,8 +262,21 @@ def _gdn_decode_kernel(
     NUM_K_HEADS: tl.constexpr, GROUP: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     KW: tl.constexpr, KW_P2: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     SPLIT: tl.constexpr, NV: tl.constexpr, NV_P2: tl.constexpr, BV_ROW: tl.constexpr, PDL: tl.constexpr,
+    PREFETCH: tl.constexpr,
 ):
-    pdl_prologue(PDL)
+    pdl_launch_dependents(PDL)
+    if PREFETCH:  # the state rows were written by an earlier step and the slots copied in before it: ask L2 now
+        slot = tl.load(state_slots + tl.program_id(0)).to(tl.int64)
+        o_k = tl.minimum(tl.arange(0, BK), K - 1)
+        if SPLIT:
+            head = ssm_states + slot * stride_ssm + tl.program_id(1) * K * V
+            v_lo = tl.program_id(2) * BV
+            prefetch_rows_l2(head, o_k, V, v_lo, tl.minimum(v_lo + BV, V), BV)
+        else:
+            for j in tl.static_range(GROUP):
+                head = ssm_states + slot * stride_ssm + (tl.program_id(1) * GROUP + j) * K * V
+                prefetch_rows_l2(head, o_k, V, 0, V, BV)
+    pdl_wait(PDL)
     if SPLIT:
         _value_split_step(
             mixed, conv_weight, conv_states, ssm_states, a_log, dt_bias, norm_weight, state_slots, out_slots, out,
@@ -371,6 +384,7 @@ def fused_gdn_decode(
         eps, head_k_dim**-0.5,
         NUM_K_HEADS=num_k_heads, GROUP=num_v_heads // num_k_heads, K=head_k_dim, V=head_v_dim,
         KW=kw, KW_P2=next_power_of_2(kw), BK=bk, BV=bv, SPLIT=bool(split_bv), NV=nv,
-        NV_P2=next_power_of_2(nv), BV_ROW=bv_row, num_warps=cfg["num_warps"], **launch_options(mixed.device),
+        NV_P2=next_power_of_2(nv), BV_ROW=bv_row, num_warps=cfg["num_warps"],
+        **launch_options(mixed.device, prefetch=True),
     )
     return out
