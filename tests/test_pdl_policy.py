@@ -180,3 +180,11 @@ def test_l2_prefetch_follows_the_environment_and_needs_pdl(gpu_like, monkeypatch
 def test_l2_prefetch_never_off_the_gpu(monkeypatch):
     monkeypatch.setenv("ARMILLARY_L2_PREFETCH", "1")
     assert pdl.launch_options(torch.device("cpu"), prefetch=True) == {"PDL": False, "PREFETCH": False}
+
+
+def test_expert_prefetch_rows_cover_the_down_weights_within_the_budget():
+    w2 = torch.empty(4, 2048, 512, dtype=torch.float8_e4m3fn)  # 1 MiB an expert
+    assert pdl.expert_prefetch_rows(False, 9, w2, 512) == 0  # prefetches off
+    assert pdl.expert_prefetch_rows(True, 9, w2, 512) == 4  # 2048 rows over 512 programs
+    assert pdl.expert_prefetch_rows(True, 9, w2, 300) == 8  # 7 rounded up to a power of two: all rows covered
+    assert pdl.expert_prefetch_rows(True, 17, w2, 512) == 0  # 17 MiB of down weights: over the budget

@@ -41,7 +41,7 @@ from armillary.kernels.triton.fp8_skinny import (WIDE_FOLD, fp8_row_products, fp
 from armillary.kernels.triton import moe as bf16_moe
 from armillary.kernels.triton.host import cdiv, next_power_of_2
 from armillary.kernels.triton.moe_align import moe_align
-from armillary.kernels.triton.pdl import pdl_prologue
+from armillary.kernels.triton.pdl import expert_prefetch_rows, pdl_prologue, prefetch_expert_rows_l2
 
 GEMV_MAX_PAIRS = 64  # at most this many (token, expert) pairs take the GEMV path
 GEMV_KERNEL = "fp8_moe_gemv"
@@ -92,14 +92,17 @@ def _gemv_up_kernel(
     A_DIV: tl.constexpr, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, K_SCALED: tl.constexpr,
     ROWS_SHARE: tl.constexpr, GATED: tl.constexpr, ACT: tl.constexpr, EVEN_K: tl.constexpr,
     K_TILES: tl.constexpr, STAGES: tl.constexpr, BLOCK_N: tl.constexpr, NSUB: tl.constexpr, SUB_K: tl.constexpr,
-    PDL: tl.constexpr,
+    PDL: tl.constexpr, w2_ptr, stride_w2e, stride_w2n, N2, K2, W2_ROWS: tl.constexpr, W2_BLOCK: tl.constexpr,
 ):  # fmt: skip
     """Grid (pairs, cdiv(I, BN)): h[pair, n] = act(gate_n · x) · (up_n · x) (or act(up_n · x)) in fp32,
     x = x[pair / A_DIV]; the gate row n and up row I + n of w13[e] streamed by one program. STAGES 1: the
-    K tiles unrolled; s > 1: a loop software-pipelined over s stages."""
+    K tiles unrolled; s > 1: a loop software-pipelined over s stages. W2_ROWS > 0: the program also asks L2 for
+    its W2_ROWS of w2[e] [N2, K2], which the down kernel reads next."""
     pdl_prologue(PDL)
     pair, pid_n = tl.program_id(0).to(tl.int64), tl.program_id(1)
     e = tl.load(ids_ptr + pair).to(tl.int64)
+    if W2_ROWS > 0:
+        prefetch_expert_rows_l2(w2_ptr, e, stride_w2e, stride_w2n, pid_n, N2, K2, W2_ROWS, W2_BLOCK)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = offs_n % I  # clamped rows: unmasked wide loads, results not stored
     up_rows = rows + I if GATED else rows
@@ -196,10 +199,12 @@ def gemv_config(num_experts: int, hidden: int, inter: int, top_k: int, tokens: i
 
 
 def gemv_up(x: torch.Tensor, w13: torch.Tensor, s13: torch.Tensor, block_n: int, block_k: int,
-            topk_ids: torch.Tensor, h: torch.Tensor, activation: str | None, cfg: dict) -> None:
+            topk_ids: torch.Tensor, h: torch.Tensor, activation: str | None, cfg: dict,
+            w2: torch.Tensor | None = None) -> None:
     """h[p] (fp32, written) = act(gate_e x[p // k]) · up_e x[p // k] when ``activation`` is fused and h [P, I]
     of a gated w13 [E, 2I, H]; else h [P, rows] = act(w13_e x) (``activation`` None: the rows as they are).
-    topk_ids [T, k] contiguous."""
+    topk_ids [T, k] contiguous. ``w2``: the down weights [E, H, I] to prefetch into L2 meanwhile, where
+    ``expert_prefetch_rows`` allows."""
     k = topk_ids.shape[1]
     rows = h.shape[1]
     gated = activation is not None and w13.shape[1] == 2 * rows  # [gate | up] fused (unfused: h holds all rows)
@@ -207,12 +212,17 @@ def gemv_up(x: torch.Tensor, w13: torch.Tensor, s13: torch.Tensor, block_n: int,
     bn = cfg["BLOCK_N1"]
     meta = _gemv_meta(w13.shape[2], block_n, block_k, bn, cfg["BLOCK_K1"])
     share = block_n % bn == 0 and (not gated or rows % bn == 0)  # every tile inside one scale row block
-    _gemv_up_kernel[(topk_ids.numel(), cdiv(rows, bn))](
+    programs = cdiv(rows, bn)
+    w2_rows = 0 if w2 is None else expert_prefetch_rows(pdl_options(x.device, prefetch=True)["PREFETCH"],
+                                                        topk_ids.numel(), w2, programs)
+    w2 = w2 if w2 is not None else w13
+    _gemv_up_kernel[(topk_ids.numel(), programs)](
         x, w13, s13, h, topk_ids, rows, w13.shape[2], x.stride(0), w13.stride(0), w13.stride(1), s13.stride(0),
         s13.stride(1), s13.stride(2) if s13.shape[2] > 1 else 0, h.stride(0), A_DIV=k, ROWS_SHARE=share,
         GATED=gated, ACT=act, STAGES=cfg["num_stages1"], num_warps=cfg["num_warps1"],
-        num_stages=cfg["num_stages1"], **meta,
-        **pdl_options(x.device))  # fmt: skip
+        num_stages=cfg["num_stages1"], **meta, **pdl_options(x.device),
+        w2_ptr=w2, stride_w2e=w2.stride(0), stride_w2n=w2.stride(1), N2=w2.shape[1], K2=w2.shape[2],
+        W2_ROWS=w2_rows, W2_BLOCK=next_power_of_2(w2.shape[2]))  # fmt: skip
 
 
 def gemv_down(h: torch.Tensor, w2: torch.Tensor, s2: torch.Tensor, block_n: int, block_k: int,
@@ -242,7 +252,7 @@ def _gemv_moe(x, w13, s13, w2, s2, block_n, block_k, topk_weights, topk_ids, act
     ids = topk_ids.contiguous()
     up_rows = inter if fused else w13.shape[1]  # unfused: every w13 row through, the activation in torch
     h = torch.empty(t * k, up_rows, dtype=torch.float32, device=x.device)  # [P, I] (or [P, 2I] unfused)
-    gemv_up(x, w13, s13, block_n, block_k, ids, h, activation if fused else None, cfg)
+    gemv_up(x, w13, s13, block_n, block_k, ids, h, activation if fused else None, cfg, w2=w2)
     if not fused:
         gated = w13.shape[1] == 2 * inter
         h = act_and_mul(h, activation) if gated else get_activation(activation)(h)  # [P, I] fp32

@@ -171,3 +171,24 @@ def prefetch_rows_l2(ptr, rows, stride, k_lo, k_hi, BLOCK_K: tl.constexpr):
     for k0 in range(k_lo, k_hi, BLOCK_K):
         cols = tl.minimum(k0 + tl.arange(0, LINES) * STEP, k_hi - 1)  # [LINES]; clamped: never past the row
         prefetch_l2(row_ptrs + cols[None, :])
+
+
+EXPERT_PREFETCH_BYTES = 16 << 20  # a third of an H100 / H200's 50 MB L2: the chosen experts' down weights at most
+
+
+def expert_prefetch_rows(prefetch: bool, pairs: int, w2: torch.Tensor, programs_per_pair: int) -> int:
+    """Rows (a power of two) of each chosen expert's ``w2`` [E, N, ...] one MoE up-GEMV program asks L2 for (the
+    down kernel reads them next), or 0: ``prefetch`` off (``launch_options``' answer), or the pairs' down weights
+    over ``EXPERT_PREFETCH_BYTES``."""
+    if not prefetch or pairs * w2[0].numel() * w2.element_size() > EXPERT_PREFETCH_BYTES:
+        return 0
+    rows = -(-w2.shape[1] // programs_per_pair)
+    return 1 << (rows - 1).bit_length()
+
+
+@triton.jit
+def prefetch_expert_rows_l2(w_ptr, e, stride_we, stride_wn, pid, N, K, ROWS: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Program ``pid``'s share of expert ``e``'s rows (ROWS of N, K columns each) of a row-major [E, N, K] weight,
+    into L2."""
+    rows = tl.minimum(pid * ROWS + tl.arange(0, ROWS), N - 1)
+    prefetch_rows_l2(w_ptr + e * stride_we, rows, stride_wn, 0, K, BLOCK_K)
