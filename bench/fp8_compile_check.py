@@ -112,7 +112,7 @@ def compile_all(launches) -> list[dict]:
                        cp_async=len(re.findall(r"cp\.async\.(?:cg|ca)|cp\.async\.bulk", ptx)),
                        wgmma_e4m3=len(re.findall(r"wgmma\.mma_async[^\n]*e4m3", ptx)),
                        mma=len(re.findall(r"\bmma\.sync|wgmma\.mma_async", ptx)),
-                       l2_prefetch=len(re.findall(r"prefetch\.global\.L2", ptx)),
+                       l2_prefetch=len(re.findall(r"prefetch\.global\.L2|cp\.async\.bulk\.prefetch\.L2", ptx)),
                        barriers=len(re.findall(r"\bbar\.sync|barrier\.sync", ptx)),
                        atomics=len(re.findall(r"\batom\.global|\bred\.global", ptx)),
                        approx_div=len(re.findall(r"div\.(?:full|approx)(?:\.ftz)?\.f32", ptx)),

@@ -127,7 +127,7 @@ def _properties(ptx: str) -> dict:
                 wgmma_e4m3=len(re.findall(r"wgmma\.mma_async[^\n]*e4m3", ptx)),
                 fp4_mma=len(re.findall(r"(?:tcgen05\.mma|mma\.sync)[^\n]*(?:block_scale|mxf4nvf4|e2m1)", ptx)),
                 ftz=len(re.findall(r"\b(?:mul|fma|add|sub)\.(?:rn\.)?ftz\.f32", ptx)),
-                l2_prefetch=len(re.findall(r"prefetch\.global\.L2", ptx)))
+                l2_prefetch=len(re.findall(r"prefetch\.global\.L2|cp\.async\.bulk\.prefetch\.L2", ptx)))
 
 
 def compile_all(target: Target, launches) -> list[dict]:

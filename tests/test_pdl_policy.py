@@ -182,9 +182,13 @@ def test_l2_prefetch_never_off_the_gpu(monkeypatch):
     assert pdl.launch_options(torch.device("cpu"), prefetch=True) == {"PDL": False, "PREFETCH": False}
 
 
-def test_expert_prefetch_rows_cover_the_down_weights_within_the_budget():
-    w2 = torch.empty(4, 2048, 512, dtype=torch.float8_e4m3fn)  # 1 MiB an expert
-    assert pdl.expert_prefetch_rows(False, 9, w2, 512) == 0  # prefetches off
-    assert pdl.expert_prefetch_rows(True, 9, w2, 512) == 4  # 2048 rows over 512 programs
-    assert pdl.expert_prefetch_rows(True, 9, w2, 300) == 8  # 7 rounded up to a power of two: all rows covered
-    assert pdl.expert_prefetch_rows(True, 17, w2, 512) == 0  # 17 MiB of down weights: over the budget
+def test_expert_prefetch_chunks_cover_the_experts_within_the_budget():
+    w13 = torch.empty(4, 1024, 2048, dtype=torch.float8_e4m3fn)  # 2 MiB an expert
+    w2 = torch.empty(4, 2048, 512, dtype=torch.float8_e4m3fn)  # 1 MiB
+    assert pdl.expert_prefetch_chunk(False, 9, (w13, w2)) == 0  # prefetches off
+    chunk = pdl.expert_prefetch_chunk(True, 9, (w13, w2))  # 27 MiB: within the budget
+    assert chunk % 16 == 0 and chunk * pdl.EXPERT_PREFETCH_CHUNKS >= 2 << 20
+    assert pdl.expert_prefetch_chunk(True, 11, (w13, w2)) == 0  # 33 MiB: over it
+    args = pdl.expert_prefetch_args(w13, w2, chunk)
+    assert args["bytes_w13"] == 2 << 20 and args["expert_stride_w2"] == 1 << 20 and args["PREFETCH_EXPERTS"]
+    assert pdl.expert_prefetch_args(w13, w2, 0)["PREFETCH_EXPERTS"] is False

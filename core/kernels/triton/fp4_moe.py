@@ -39,7 +39,8 @@ from armillary.kernels.triton.fp8_skinny import on_gpu, pdl_options
 from armillary.kernels.triton import moe as bf16_moe
 from armillary.kernels.triton.host import cdiv, next_power_of_2
 from armillary.kernels.triton.moe_align import moe_align
-from armillary.kernels.triton.pdl import expert_prefetch_rows, pdl_prologue, prefetch_expert_rows_l2
+from armillary.kernels.triton.pdl import (expert_prefetch_args, expert_prefetch_chunk, pdl_prologue,
+                                          prefetch_expert_chunk_l2)
 
 GEMV_MAX_PAIRS = 64  # at most this many (token, expert) pairs take the GEMV path
 VARIANTS = ("grouped", "dequant")  # the grouped entry's "variant": the NVFP4 tile kernel, or unpacked experts
@@ -83,16 +84,17 @@ def _gemv_up_kernel(
     stride_xm, stride_we, stride_wn, stride_se, stride_sn, stride_ge, stride_hm,
     A_DIV: tl.constexpr, GATED: tl.constexpr, ACT: tl.constexpr, EVEN_K: tl.constexpr, K_TILES: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
-    w2_ptr, stride_w2e, stride_w2n, N2, K2, W2_ROWS: tl.constexpr, W2_BLOCK: tl.constexpr,
+    w2_ptr, expert_stride_w13, expert_stride_w2, bytes_w13, bytes_w2, chunk_bytes, PREFETCH_EXPERTS: tl.constexpr,
 ):  # fmt: skip
     """Grid (pairs, cdiv(I, BN)): h[pair, n] = act(gate_n · x) · (up_n · x) (or act(up_n · x)) in fp32 with
-    x = x[pair / A_DIV]; w_ptr int32 words [E, 2I or I, K / 8]. W2_ROWS > 0: the program also asks L2 for its
-    W2_ROWS of w2[e] (bytes [N2, K2]), which the down kernel reads next."""
+    x = x[pair / A_DIV]; w_ptr int32 words [E, 2I or I, K / 8]. PREFETCH_EXPERTS: program (pair, c) also asks L2
+    for chunk c (``chunk_bytes``) of w13[e] and of w2[e], which the later programs and the down kernel read."""
     pdl_prologue(PDL)
     pair, pid_n = tl.program_id(0).to(tl.int64), tl.program_id(1)
     e = tl.load(ids_ptr + pair).to(tl.int64)
-    if W2_ROWS > 0:
-        prefetch_expert_rows_l2(w2_ptr, e, stride_w2e, stride_w2n, pid_n, N2, K2, W2_ROWS, W2_BLOCK)
+    if PREFETCH_EXPERTS:  # the first programs of each pair stream its expert's up and down weights into L2 in bulk
+        prefetch_expert_chunk_l2(w_ptr, e, expert_stride_w13, bytes_w13, pid_n, chunk_bytes)
+        prefetch_expert_chunk_l2(w2_ptr, e, expert_stride_w2, bytes_w2, pid_n, chunk_bytes)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = offs_n % I  # clamped rows: unmasked wide loads, results not stored
     up_rows = rows + I if GATED else rows
@@ -204,7 +206,8 @@ def gemv_up(x: torch.Tensor, w13: torch.Tensor, s13: torch.Tensor, g13: torch.Te
     """h[p] (fp32, written) = act(gate_e x[p // k]) · up_e x[p // k] when ``activation`` is fused and h [P, I]
     of a gated w13 [E, 2I, H / 2]; else h [P, rows] = act(w13_e x) (``activation`` None: the rows as they
     are). s13 / g13 contiguous (g13 fp32), topk_ids [T, k] contiguous. ``w2``: the packed down weights
-    [E, H, I / 2] to prefetch into L2 meanwhile, where ``expert_prefetch_rows`` allows."""
+    [E, H, I / 2]; with them, where ``expert_prefetch_chunk`` allows, the first programs of each pair stream its
+    expert's w13 and w2 slices into L2 in bulk."""
     k = topk_ids.shape[1]
     rows = h.shape[1]
     gated = activation is not None and w13.shape[1] == 2 * rows  # [gate | up] fused (unfused: h holds all rows)
@@ -212,15 +215,14 @@ def gemv_up(x: torch.Tensor, w13: torch.Tensor, s13: torch.Tensor, g13: torch.Te
     w = as_words(w13)  # [E, 2I or I, H / 8] int32
     bn = cfg["BLOCK_N1"]
     programs = cdiv(rows, bn)
-    w2_rows = 0 if w2 is None else expert_prefetch_rows(pdl_options(x.device, prefetch=True)["PREFETCH"],
-                                                        topk_ids.numel(), w2, programs)
+    chunk = 0 if w2 is None else expert_prefetch_chunk(pdl_options(x.device, prefetch=True)["PREFETCH"],
+                                                        topk_ids.numel(), (w13, w2))
     w2 = w2 if w2 is not None else w13
     _gemv_up_kernel[(topk_ids.numel(), programs)](
         x, w, s13, g13, h, topk_ids, rows, x.shape[1], x.stride(0), w.stride(0), w.stride(1), s13.stride(0),
         s13.stride(1), g13.stride(0), h.stride(0), A_DIV=k, GATED=gated, ACT=act, num_warps=cfg["num_warps1"],
-        num_stages=1, **_gemv_meta(x.shape[1], bn, cfg["BLOCK_K1"]), **pdl_options(x.device),
-        w2_ptr=w2, stride_w2e=w2.stride(0), stride_w2n=w2.stride(1), N2=w2.shape[1], K2=w2.shape[2],
-        W2_ROWS=w2_rows, W2_BLOCK=next_power_of_2(w2.shape[2]))  # fmt: skip
+        num_stages=1, **_gemv_meta(x.shape[1], bn, cfg["BLOCK_K1"]), **pdl_options(x.device), w2_ptr=w2,
+        **expert_prefetch_args(w13, w2, chunk))  # fmt: skip
 
 
 def gemv_down(h: torch.Tensor, w2: torch.Tensor, s2: torch.Tensor, g2: torch.Tensor, topk_ids: torch.Tensor,

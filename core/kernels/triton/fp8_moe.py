@@ -41,7 +41,8 @@ from armillary.kernels.triton.fp8_skinny import (WIDE_FOLD, fp8_row_products, fp
 from armillary.kernels.triton import moe as bf16_moe
 from armillary.kernels.triton.host import cdiv, next_power_of_2
 from armillary.kernels.triton.moe_align import moe_align
-from armillary.kernels.triton.pdl import expert_prefetch_rows, pdl_prologue, prefetch_expert_rows_l2
+from armillary.kernels.triton.pdl import (expert_prefetch_args, expert_prefetch_chunk, pdl_prologue,
+                                          prefetch_expert_chunk_l2)
 
 GEMV_MAX_PAIRS = 64  # at most this many (token, expert) pairs take the GEMV path
 GEMV_KERNEL = "fp8_moe_gemv"
@@ -92,17 +93,19 @@ def _gemv_up_kernel(
     A_DIV: tl.constexpr, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, K_SCALED: tl.constexpr,
     ROWS_SHARE: tl.constexpr, GATED: tl.constexpr, ACT: tl.constexpr, EVEN_K: tl.constexpr,
     K_TILES: tl.constexpr, STAGES: tl.constexpr, BLOCK_N: tl.constexpr, NSUB: tl.constexpr, SUB_K: tl.constexpr,
-    PDL: tl.constexpr, w2_ptr, stride_w2e, stride_w2n, N2, K2, W2_ROWS: tl.constexpr, W2_BLOCK: tl.constexpr,
+    PDL: tl.constexpr, w2_ptr, expert_stride_w13, expert_stride_w2, bytes_w13, bytes_w2, chunk_bytes,
+    PREFETCH_EXPERTS: tl.constexpr,
 ):  # fmt: skip
     """Grid (pairs, cdiv(I, BN)): h[pair, n] = act(gate_n · x) · (up_n · x) (or act(up_n · x)) in fp32,
     x = x[pair / A_DIV]; the gate row n and up row I + n of w13[e] streamed by one program. STAGES 1: the
-    K tiles unrolled; s > 1: a loop software-pipelined over s stages. W2_ROWS > 0: the program also asks L2 for
-    its W2_ROWS of w2[e] [N2, K2], which the down kernel reads next."""
+    K tiles unrolled; s > 1: a loop software-pipelined over s stages. PREFETCH_EXPERTS: program (pair, c) also
+    asks L2 for chunk c (``chunk_bytes``) of w13[e] and of w2[e], which the later programs and the down kernel read."""
     pdl_prologue(PDL)
     pair, pid_n = tl.program_id(0).to(tl.int64), tl.program_id(1)
     e = tl.load(ids_ptr + pair).to(tl.int64)
-    if W2_ROWS > 0:
-        prefetch_expert_rows_l2(w2_ptr, e, stride_w2e, stride_w2n, pid_n, N2, K2, W2_ROWS, W2_BLOCK)
+    if PREFETCH_EXPERTS:  # the first programs of each pair stream its expert's up and down weights into L2 in bulk
+        prefetch_expert_chunk_l2(w_ptr, e, expert_stride_w13, bytes_w13, pid_n, chunk_bytes)
+        prefetch_expert_chunk_l2(w2_ptr, e, expert_stride_w2, bytes_w2, pid_n, chunk_bytes)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = offs_n % I  # clamped rows: unmasked wide loads, results not stored
     up_rows = rows + I if GATED else rows
@@ -203,8 +206,8 @@ def gemv_up(x: torch.Tensor, w13: torch.Tensor, s13: torch.Tensor, block_n: int,
             w2: torch.Tensor | None = None) -> None:
     """h[p] (fp32, written) = act(gate_e x[p // k]) · up_e x[p // k] when ``activation`` is fused and h [P, I]
     of a gated w13 [E, 2I, H]; else h [P, rows] = act(w13_e x) (``activation`` None: the rows as they are).
-    topk_ids [T, k] contiguous. ``w2``: the down weights [E, H, I] to prefetch into L2 meanwhile, where
-    ``expert_prefetch_rows`` allows."""
+    topk_ids [T, k] contiguous. ``w2``: the down weights [E, H, I]; with them, where ``expert_prefetch_chunk``
+    allows, the first programs of each pair stream its expert's w13 and w2 slices into L2 in bulk."""
     k = topk_ids.shape[1]
     rows = h.shape[1]
     gated = activation is not None and w13.shape[1] == 2 * rows  # [gate | up] fused (unfused: h holds all rows)
@@ -213,16 +216,15 @@ def gemv_up(x: torch.Tensor, w13: torch.Tensor, s13: torch.Tensor, block_n: int,
     meta = _gemv_meta(w13.shape[2], block_n, block_k, bn, cfg["BLOCK_K1"])
     share = block_n % bn == 0 and (not gated or rows % bn == 0)  # every tile inside one scale row block
     programs = cdiv(rows, bn)
-    w2_rows = 0 if w2 is None else expert_prefetch_rows(pdl_options(x.device, prefetch=True)["PREFETCH"],
-                                                        topk_ids.numel(), w2, programs)
+    chunk = 0 if w2 is None else expert_prefetch_chunk(pdl_options(x.device, prefetch=True)["PREFETCH"],
+                                                        topk_ids.numel(), (w13, w2))
     w2 = w2 if w2 is not None else w13
     _gemv_up_kernel[(topk_ids.numel(), programs)](
         x, w13, s13, h, topk_ids, rows, w13.shape[2], x.stride(0), w13.stride(0), w13.stride(1), s13.stride(0),
         s13.stride(1), s13.stride(2) if s13.shape[2] > 1 else 0, h.stride(0), A_DIV=k, ROWS_SHARE=share,
         GATED=gated, ACT=act, STAGES=cfg["num_stages1"], num_warps=cfg["num_warps1"],
-        num_stages=cfg["num_stages1"], **meta, **pdl_options(x.device),
-        w2_ptr=w2, stride_w2e=w2.stride(0), stride_w2n=w2.stride(1), N2=w2.shape[1], K2=w2.shape[2],
-        W2_ROWS=w2_rows, W2_BLOCK=next_power_of_2(w2.shape[2]))  # fmt: skip
+        num_stages=cfg["num_stages1"], **meta, **pdl_options(x.device), w2_ptr=w2,
+        **expert_prefetch_args(w13, w2, chunk))  # fmt: skip
 
 
 def gemv_down(h: torch.Tensor, w2: torch.Tensor, s2: torch.Tensor, block_n: int, block_k: int,

@@ -173,22 +173,44 @@ def prefetch_rows_l2(ptr, rows, stride, k_lo, k_hi, BLOCK_K: tl.constexpr):
         prefetch_l2(row_ptrs + cols[None, :])
 
 
-EXPERT_PREFETCH_BYTES = 16 << 20  # a third of an H100 / H200's 50 MB L2: the chosen experts' down weights at most
+EXPERT_PREFETCH_BYTES = 32 << 20  # the chosen experts' up and down weights at most: under an H100 / H200's 50 MB L2
+EXPERT_PREFETCH_CHUNKS = 8  # bulk prefetches an expert matrix is cut into (one a program, the first programs)
 
 
-def expert_prefetch_rows(prefetch: bool, pairs: int, w2: torch.Tensor, programs_per_pair: int) -> int:
-    """Rows (a power of two) of each chosen expert's ``w2`` [E, N, ...] one MoE up-GEMV program asks L2 for (the
-    down kernel reads them next), or 0: ``prefetch`` off (``launch_options``' answer), or the pairs' down weights
-    over ``EXPERT_PREFETCH_BYTES``."""
-    if not prefetch or pairs * w2[0].numel() * w2.element_size() > EXPERT_PREFETCH_BYTES:
+def expert_prefetch_chunk(prefetch: bool, pairs: int, weights: tuple[torch.Tensor, ...]) -> int:
+    """Bytes of one bulk L2 prefetch (a multiple of 16) when the MoE up GEMV's first programs are to ask L2 for
+    the chosen experts' ``weights`` ([E, ...] each, contiguous per expert), or 0: ``prefetch`` off
+    (``launch_options``' answer), or the pairs' weights over ``EXPERT_PREFETCH_BYTES``."""
+    per_pair = sum(w[0].numel() * w.element_size() for w in weights)
+    if not prefetch or pairs * per_pair > EXPERT_PREFETCH_BYTES:
         return 0
-    rows = -(-w2.shape[1] // programs_per_pair)
-    return 1 << (rows - 1).bit_length()
+    largest = max(w[0].numel() * w.element_size() for w in weights)
+    return -(-largest // (16 * EXPERT_PREFETCH_CHUNKS)) * 16
+
+
+def expert_prefetch_args(w13: torch.Tensor, w2: torch.Tensor, chunk: int) -> dict:
+    """The MoE up GEMV's prefetch arguments: byte strides and sizes of one expert's w13 and w2 slices, the chunk
+    (``expert_prefetch_chunk``'s; 0: off)."""
+    return dict(expert_stride_w13=w13.stride(0) * w13.element_size(), expert_stride_w2=w2.stride(0) * w2.element_size(),
+                bytes_w13=w13[0].numel() * w13.element_size(), bytes_w2=w2[0].numel() * w2.element_size(),
+                chunk_bytes=max(chunk, 16), PREFETCH_EXPERTS=chunk > 0)
 
 
 @triton.jit
-def prefetch_expert_rows_l2(w_ptr, e, stride_we, stride_wn, pid, N, K, ROWS: tl.constexpr, BLOCK_K: tl.constexpr):
-    """Program ``pid``'s share of expert ``e``'s rows (ROWS of N, K columns each) of a row-major [E, N, K] weight,
-    into L2."""
-    rows = tl.minimum(pid * ROWS + tl.arange(0, ROWS), N - 1)
-    prefetch_rows_l2(w_ptr + e * stride_we, rows, stride_wn, 0, K, BLOCK_K)
+def prefetch_bulk_l2(ptr, nbytes):
+    """One thread of the program asks L2 for ``nbytes`` (a multiple of 16) from ``ptr`` (16-byte aligned) in one
+    ``cp.async.bulk.prefetch`` (sm_90+); a hint, nothing waits for it."""
+    tl.inline_asm_elementwise(
+        "{ .reg .pred p; .reg .b32 t; mov.u32 t, %tid.x; setp.eq.u32 p, t, 0; "
+        "@p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
+        "=r,l,r", [ptr, nbytes], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def prefetch_expert_chunk_l2(w_ptr, e, expert_stride_bytes, expert_bytes, chunk, chunk_bytes):
+    """Chunk ``chunk`` (of ``chunk_bytes``) of expert ``e``'s slice of an expert-major weight, into L2; chunks past
+    the slice's ``expert_bytes`` ask for nothing."""
+    start = chunk * chunk_bytes
+    if start < expert_bytes:
+        base = w_ptr.to(tl.pointer_type(tl.int8)) + e * expert_stride_bytes + start
+        prefetch_bulk_l2(base, tl.minimum(chunk_bytes, expert_bytes - start))
