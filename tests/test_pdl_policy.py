@@ -156,16 +156,16 @@ def test_never_off_the_gpu(monkeypatch):
 def test_l2_prefetch_is_off_by_default_and_on_where_a_table_says(gpu_like, serving):
     serving("qwen3_5_moe")
     assert not pdl.l2_prefetch(DEV)
-    assert pdl.launch_options(DEV, prefetch=True) == {"PDL": True, "launch_pdl": True, "PREFETCH": False}
+    assert pdl.launch_options(DEV, prefetch="weights") == {"PDL": True, "launch_pdl": True, "PREFETCH": False}
     assert pdl.launch_options(DEV) == {"PDL": True, "launch_pdl": True}  # kernels without the constexpr
     gpu_like[("armillary_qwen_gdn_moe", "sm_90")] = {"l2_prefetch": {"qwen3_5_moe": {"enabled": True}}}
     with tuning.overlay("armillary_qwen_gdn_moe"):
         assert pdl.l2_prefetch(DEV)
-        assert pdl.launch_options(DEV, prefetch=True) == {"PDL": True, "launch_pdl": True, "PREFETCH": True}
+        assert pdl.launch_options(DEV, prefetch="weights") == {"PDL": True, "launch_pdl": True, "PREFETCH": True}
         with pdl.graph_batch(64):  # PDL off in this graph (max_batch): nothing to prefetch during
             gpu_like[("armillary_qwen_gdn_moe", "sm_90")]["pdl"] = {"qwen3_5_moe": {"max_batch": 8}}
             tuning._CONFIGS.clear()
-            assert pdl.launch_options(DEV, prefetch=True) == {"PDL": False, "PREFETCH": False}
+            assert pdl.launch_options(DEV, prefetch="weights") == {"PDL": False, "PREFETCH": False}
 
 
 @pytest.mark.parametrize("pdl_env, env, expected", [("", "1", True), ("", "0", False), ("0", "1", False)])
@@ -179,7 +179,7 @@ def test_l2_prefetch_follows_the_environment_and_needs_pdl(gpu_like, monkeypatch
 
 def test_l2_prefetch_never_off_the_gpu(monkeypatch):
     monkeypatch.setenv("ARMILLARY_L2_PREFETCH", "1")
-    assert pdl.launch_options(torch.device("cpu"), prefetch=True) == {"PDL": False, "PREFETCH": False}
+    assert pdl.launch_options(torch.device("cpu"), prefetch="weights") == {"PDL": False, "PREFETCH": False}
 
 
 def test_expert_prefetch_chunks_cover_the_experts_within_the_budget():
@@ -192,3 +192,14 @@ def test_expert_prefetch_chunks_cover_the_experts_within_the_budget():
     args = pdl.expert_prefetch_args(w13, w2, chunk)
     assert args["bytes_w13"] == 2 << 20 and args["expert_stride_w2"] == 1 << 20 and args["PREFETCH_EXPERTS"]
     assert pdl.expert_prefetch_args(w13, w2, 0)["PREFETCH_EXPERTS"] is False
+
+
+def test_one_kind_of_prefetch_can_be_turned_off(gpu_like, serving, monkeypatch):
+    serving("qwen3_5_moe")
+    monkeypatch.setenv("ARMILLARY_L2_PREFETCH", "1")
+    gpu_like[("armillary_qwen_gdn_moe", "sm_90")] = {"l2_prefetch": {"default": {"experts": False}}}
+    with tuning.overlay("armillary_qwen_gdn_moe"):
+        assert pdl.l2_prefetch(DEV, "weights") and pdl.l2_prefetch(DEV, "state")
+        assert not pdl.l2_prefetch(DEV, "experts")
+        with pytest.raises(ValueError, match="kind"):
+            pdl.l2_prefetch(DEV, "everything")

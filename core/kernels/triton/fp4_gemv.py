@@ -264,6 +264,6 @@ def fp4_skinny_gemm(x: torch.Tensor, w_packed: torch.Tensor, w_scale: torch.Tens
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         EVEN_K=k % (cfg["BLOCK_K"] * cfg["K_TILES"]) == 0, K_TILES=cfg["K_TILES"], BLOCK_M=cfg["BLOCK_M"],
         BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl_options(x.device, prefetch=True),
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl_options(x.device, prefetch="weights"),
     )  # fmt: skip
     return out

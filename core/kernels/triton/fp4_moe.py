@@ -215,7 +215,7 @@ def gemv_up(x: torch.Tensor, w13: torch.Tensor, s13: torch.Tensor, g13: torch.Te
     w = as_words(w13)  # [E, 2I or I, H / 8] int32
     bn = cfg["BLOCK_N1"]
     programs = cdiv(rows, bn)
-    chunk = 0 if w2 is None else expert_prefetch_chunk(pdl_options(x.device, prefetch=True)["PREFETCH"],
+    chunk = 0 if w2 is None else expert_prefetch_chunk(pdl_options(x.device, prefetch="experts")["PREFETCH"],
                                                         topk_ids.numel(), (w13, w2))
     w2 = w2 if w2 is not None else w13
     _gemv_up_kernel[(topk_ids.numel(), programs)](

@@ -216,7 +216,7 @@ def gemv_up(x: torch.Tensor, w13: torch.Tensor, s13: torch.Tensor, block_n: int,
     meta = _gemv_meta(w13.shape[2], block_n, block_k, bn, cfg["BLOCK_K1"])
     share = block_n % bn == 0 and (not gated or rows % bn == 0)  # every tile inside one scale row block
     programs = cdiv(rows, bn)
-    chunk = 0 if w2 is None else expert_prefetch_chunk(pdl_options(x.device, prefetch=True)["PREFETCH"],
+    chunk = 0 if w2 is None else expert_prefetch_chunk(pdl_options(x.device, prefetch="experts")["PREFETCH"],
                                                         topk_ids.numel(), (w13, w2))
     w2 = w2 if w2 is not None else w13
     _gemv_up_kernel[(topk_ids.numel(), programs)](

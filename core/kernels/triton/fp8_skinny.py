@@ -62,9 +62,9 @@ def sm_count(device: torch.device) -> int:
     return OFFLINE_SM_COUNT or _sm_count(device)
 
 
-def pdl_options(device: torch.device, prefetch: bool = False) -> dict:
-    """``launch_options`` (programmatic dependent launch on sm_90+; ``prefetch``: the kernel's ``PREFETCH`` too),
-    all on in the offline compile check."""
+def pdl_options(device: torch.device, prefetch: str | None = None) -> dict:
+    """``launch_options`` (programmatic dependent launch on sm_90+; ``prefetch``: the kernel's ``PREFETCH`` of
+    that kind too), all on in the offline compile check."""
     if OFFLINE_SM_COUNT is not None:
         return {"PDL": True, "launch_pdl": True, **({"PREFETCH": True} if prefetch else {})}
     return launch_options(device, prefetch)
@@ -294,6 +294,6 @@ def fp8_skinny_gemm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, 
         EVEN_K=k % (width * cfg["K_TILES"]) == 0, K_TILES=cfg["K_TILES"], BLOCK_M=cfg["BLOCK_M"],
         BLOCK_N=cfg["BLOCK_N"], NSUB=cfg["NSUB"], SUB_K=cfg["SUB_K"],
         FAST_BF16=cfg.get("fast_bf16", True) and x.dtype == torch.bfloat16 and on_gpu(x.device),
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl_options(x.device, prefetch=True),
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl_options(x.device, prefetch="weights"),
     )  # fmt: skip
     return out

@@ -14,7 +14,8 @@ of more sequences without PDL (``graph_batch`` tells the launches which graph th
 While a PDL kernel waits for the one before, the weights it will read cannot change: kernels with a ``PREFETCH``
 constexpr ask L2 for their weight tile first (``prefetch_rows_l2``), then wait, so the tile streams in during the
 previous kernel's tail. A hint only (L2 is coherent: a prefetched line is never stale); on where ``l2_prefetch``
-says (``ARMILLARY_L2_PREFETCH=0`` / ``=1``, else the tables' ``l2_prefetch`` entry, default off) and PDL is on.
+says (``ARMILLARY_L2_PREFETCH=0`` / ``=1``, else the tables' ``l2_prefetch`` entry, default off; one kind of
+``PREFETCH_KINDS`` can be turned off alone) and PDL is on.
 """
 from __future__ import annotations
 
@@ -95,21 +96,25 @@ def _decide(device: torch.device, env: str) -> bool:
     return bool(entry["enabled"]) and not too_big
 
 
-def l2_prefetch(device: torch.device) -> bool:
+PREFETCH_KINDS = ("weights", "experts", "state")  # skinny GEMV tiles, chosen MoE experts, recurrent state rows
+
+
+def l2_prefetch(device: torch.device, kind: str = "weights") -> bool:
     """PDL on, and ``ARMILLARY_L2_PREFETCH`` or else the tables' ``l2_prefetch`` entry (per served architecture,
-    or "default") asks for weight prefetches before the wait (default off)."""
+    or "default") asks for prefetches before the wait (default off); the entry may turn one ``kind`` of
+    ``PREFETCH_KINDS`` off (``{"enabled": true, "experts": false}``), for A/B runs of one kind."""
+    if kind not in PREFETCH_KINDS:
+        raise ValueError(f"l2_prefetch: kind {kind!r} is not one of {PREFETCH_KINDS}")
     if not pdl_enabled(device):
         return False
     env = os.environ.get("ARMILLARY_L2_PREFETCH", "")
-    key = ("l2_prefetch", device, env, active_architecture(), tuning.active_packages(), tuning.load_table)
+    key = ("l2_prefetch", kind, device, env, active_architecture(), tuning.active_packages(), tuning.load_table)
     decided = _DECIDED.get(key)
     if decided is None:
+        entry = kernel_config("armillary.kernels", "l2_prefetch", active_architecture() or "default",
+                              {"enabled": False, **dict.fromkeys(PREFETCH_KINDS, True)}, device)
         forced = pdl_override(env)
-        if forced is None:
-            entry = kernel_config("armillary.kernels", "l2_prefetch", active_architecture() or "default",
-                                  {"enabled": False}, device)
-            forced = bool(entry["enabled"])
-        decided = _DECIDED[key] = forced
+        decided = _DECIDED[key] = bool(entry["enabled"] if forced is None else forced) and bool(entry[kind])
     return decided
 
 
@@ -118,16 +123,17 @@ _ON_PREFETCH = {"PDL": True, "launch_pdl": True, "PREFETCH": True}
 _ON_NO_PREFETCH, _OFF_NO_PREFETCH = {**_ON, "PREFETCH": False}, {**_OFF, "PREFETCH": False}
 
 
-def launch_options(device: torch.device, prefetch: bool = False) -> dict:
+def launch_options(device: torch.device, prefetch: str | None = None) -> dict:
     """Extra launch keywords for a kernel with a ``PDL`` constexpr: ``PDL`` itself and ``launch_pdl``;
-    ``prefetch``: the kernel has a ``PREFETCH`` constexpr too (``l2_prefetch``'s answer).
+    ``prefetch`` (a kind of ``PREFETCH_KINDS``): the kernel has a ``PREFETCH`` constexpr too (``l2_prefetch``'s
+    answer for that kind).
 
     One shared dict per answer: callers unpack it (``**launch_options(device)``), never change it."""
-    if not prefetch:
+    if prefetch is None:
         return _ON if pdl_enabled(device) else _OFF
     if not pdl_enabled(device):
         return _OFF_NO_PREFETCH
-    return _ON_PREFETCH if l2_prefetch(device) else _ON_NO_PREFETCH
+    return _ON_PREFETCH if l2_prefetch(device, prefetch) else _ON_NO_PREFETCH
 
 
 @triton.jit

@@ -208,6 +208,6 @@ def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
         HAS_BIAS=bias is not None, USE_DOT=launch["USE_DOT"],
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", EVEN_K=k % launch["BLOCK_K"] == 0,
         BLOCK_M=launch["BLOCK_M"], BLOCK_N=launch["BLOCK_N"], BLOCK_K=launch["BLOCK_K"],
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **launch_options(x.device, prefetch=True),
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **launch_options(x.device, prefetch="weights"),
     )  # fmt: skip
     return out

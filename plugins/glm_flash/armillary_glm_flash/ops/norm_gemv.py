@@ -122,5 +122,5 @@ def norm_gemv(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: to
         x, norm_weight, weight, out, rows, n, k, x.stride(0), weight.stride(0), out.stride(0), float(eps),
         ROWS=row_block, BLOCK_N=block_n, BLOCK_K=block_k, USE_DOT=use_dot,
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", EVEN_K=k % block_k == 0,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **launch_options(x.device, prefetch=True))
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **launch_options(x.device, prefetch="weights"))
     return out

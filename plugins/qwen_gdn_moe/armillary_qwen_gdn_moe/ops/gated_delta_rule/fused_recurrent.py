@@ -385,6 +385,6 @@ def fused_gdn_decode(
         NUM_K_HEADS=num_k_heads, GROUP=num_v_heads // num_k_heads, K=head_k_dim, V=head_v_dim,
         KW=kw, KW_P2=next_power_of_2(kw), BK=bk, BV=bv, SPLIT=bool(split_bv), NV=nv,
         NV_P2=next_power_of_2(nv), BV_ROW=bv_row, num_warps=cfg["num_warps"],
-        **launch_options(mixed.device, prefetch=True),
+        **launch_options(mixed.device, prefetch="state"),
     )
     return out
