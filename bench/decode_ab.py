@@ -14,13 +14,13 @@ import argparse
 import gc
 import json
 import os
-import statistics
 import sys
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from env_ab import print_medians  # noqa: E402
 from profile_step import _model, _steady, _timed_steps  # noqa: E402
 
 
@@ -80,7 +80,7 @@ def main() -> int:
     extra = dict(quantization="fp8_block", kv_cache_dtype="fp8") if args.fp8 else {}
     ours = Ours(d, "cuda", 20480, max(streams + [8]), eager=False, **extra)
     print(f"{args.model}{' fp8' if args.fp8 else ''}: start-up {ours.startup:.1f} s", flush=True)
-    times: dict[tuple[int, int], list[float]] = {}
+    times: dict[tuple[str, str], list[float]] = {}  # (setting, "N streams") -> ms a step
     reference, previous, failed = None, {}, 0
     for r in range(args.repeat):
         for i, setting in enumerate(settings):
@@ -98,12 +98,10 @@ def main() -> int:
                 for rid in rids:
                     ours.engine.abort_request(rid)
                 ours.engine.step()
-                times.setdefault((i, n), []).append(ms)
+                times.setdefault((f"setting {i}", f"{n} streams"), []).append(ms)
                 line.append(f"{n} streams {ms:.3f} ms")
             print("; ".join(line), flush=True)
-    print("medians, ms a step:")
-    for (i, n), values in sorted(times.items(), key=lambda kv: (kv[0][1], kv[0][0])):
-        print(f"  {n:3d} streams, setting {i}: {statistics.median(values):.3f}  ({', '.join(f'{v:.3f}' for v in values)})")
+    print_medians(times)
     return 1 if failed else 0
 
 

@@ -59,10 +59,15 @@ def main() -> int:
             for m in FIGURE.finditer(proc.stdout):
                 figures[(tag, m.group("label").strip())].append(float(m.group("ms")))
                 print("   ", m.group(0), flush=True)
+    print_medians(figures)
+    return 1 if failed else 0
+
+
+def print_medians(figures: dict[tuple[str, str], list[float]]) -> None:
+    """{(setting, figure): ms values} -> one line a figure and setting, grouped by figure."""
     print("medians (ms):")
     for (tag, label), values in sorted(figures.items(), key=lambda kv: (kv[0][1], kv[0][0])):
         print(f"  {label:40s} {tag:40s} {statistics.median(values):9.3f}  ({', '.join(f'{v:.3f}' for v in values)})")
-    return 1 if failed else 0
 
 
 if __name__ == "__main__":
