@@ -192,6 +192,8 @@ def test_expert_prefetch_chunks_cover_the_experts_within_the_budget():
     args = pdl.expert_prefetch_args(w13, w2, chunk)
     assert args["bytes_w13"] == 2 << 20 and args["expert_stride_w2"] == 1 << 20 and args["PREFETCH_EXPERTS"]
     assert pdl.expert_prefetch_args(w13, w2, 0)["PREFETCH_EXPERTS"] is False
+    odd = torch.empty(4, 1000, 1001, dtype=torch.float8_e4m3fn)  # 1,001,000 bytes an expert: not 16-byte sized
+    assert pdl.expert_prefetch_chunk(True, 1, (w13, odd)) == 0
 
 
 def test_one_kind_of_prefetch_can_be_turned_off(gpu_like, serving, monkeypatch):

@@ -190,6 +190,9 @@ def expert_prefetch_chunk(prefetch: bool, pairs: int, weights: tuple[torch.Tenso
     per_pair = sum(w[0].numel() * w.element_size() for w in weights)
     if not prefetch or pairs * per_pair > EXPERT_PREFETCH_BYTES:
         return 0
+    if any((w[0].numel() * w.element_size()) % 16 or (w.stride(0) * w.element_size()) % 16
+           or w.data_ptr() % 16 for w in weights):
+        return 0  # a bulk prefetch takes 16-byte aligned addresses and sizes only
     largest = max(w[0].numel() * w.element_size() for w in weights)
     return -(-largest // (16 * EXPERT_PREFETCH_CHUNKS)) * 16
 
