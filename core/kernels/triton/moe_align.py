@@ -143,7 +143,7 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int, one_progra
     sorted_pair_ids = torch.empty(max_blocks * block_m, dtype=torch.int32, device=device)
     block_expert = torch.empty(max_blocks, dtype=torch.int32, device=device)
     offsets = torch.empty(num_experts + 1, dtype=torch.int32, device=device)
-    cfg = one_program_config(device)
+    cfg = one_program_config(device) if one_program is not False else ONE_PROGRAM_DEFAULTS
     if one_program is None:
         one_program = 0 < num_pairs <= min(cfg["one_program_max_pairs"], ONE_PROGRAM_LIMIT)
     if one_program:

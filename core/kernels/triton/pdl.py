@@ -103,10 +103,13 @@ def l2_prefetch(device: torch.device, kind: str = "weights") -> bool:
     """PDL on, and ``ARMILLARY_L2_PREFETCH`` or else the tables' ``l2_prefetch`` entry (per served architecture,
     or "default") asks for prefetches before the wait (default off); the entry may turn one ``kind`` of
     ``PREFETCH_KINDS`` off (``{"enabled": true, "experts": false}``), for A/B runs of one kind."""
+    return pdl_enabled(device) and _prefetch_asked(device, kind)
+
+
+def _prefetch_asked(device: torch.device, kind: str) -> bool:
+    """``l2_prefetch`` without its PDL half (``launch_options`` has asked that already)."""
     if kind not in PREFETCH_KINDS:
         raise ValueError(f"l2_prefetch: kind {kind!r} is not one of {PREFETCH_KINDS}")
-    if not pdl_enabled(device):
-        return False
     env = os.environ.get("ARMILLARY_L2_PREFETCH", "")
     key = ("l2_prefetch", kind, device, env, active_architecture(), tuning.active_packages(), tuning.load_table)
     decided = _DECIDED.get(key)
@@ -133,7 +136,7 @@ def launch_options(device: torch.device, prefetch: str | None = None) -> dict:
         return _ON if pdl_enabled(device) else _OFF
     if not pdl_enabled(device):
         return _OFF_NO_PREFETCH
-    return _ON_PREFETCH if l2_prefetch(device, prefetch) else _ON_NO_PREFETCH
+    return _ON_PREFETCH if _prefetch_asked(device, prefetch) else _ON_NO_PREFETCH
 
 
 @triton.jit

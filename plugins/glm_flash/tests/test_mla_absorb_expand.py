@@ -133,28 +133,31 @@ def test_expand_reads_only_the_splits_with_keys(monkeypatch):
 @pytest.mark.parametrize("rows", [1, 3, 9, 64])
 @pytest.mark.parametrize("dtype", [torch.float32, HALF])
 def test_router_logits_match_reference(rows, dtype):
-    g = torch.Generator().manual_seed(rows)
-    x = torch.randn(rows, 203, generator=g).to(dtype).to(DEVICE)
-    w = torch.randn(7, 203, generator=g).to(DEVICE)
-    want = router_logits_ref(x, w)
-    for cfg in (None, {"BLOCK_E": 4, "BLOCK_K": 64, "num_warps": 2, "num_stages": 1}):
-        got = router_logits(x, w, config=cfg)
-        assert got.dtype == torch.float32 and got.shape == (rows, 7)
-        assert _rel(got, want) < 1e-5  # the same float32 products, summed in another order
+    # the same float32 products, summed in another order
+    w = _check_router(router_logits, rows, dtype, {"BLOCK_E": 4, "BLOCK_K": 64, "num_warps": 2, "num_stages": 1}, 1e-5)
     with pytest.raises(ValueError, match="rows"):
         router_logits(torch.zeros(65, 203, dtype=dtype, device=DEVICE), w)
 
 
-@pytest.mark.parametrize("rows", [65, 130, 200])
-def test_router_logits_mma_match_reference(rows):
-    """Prefill rows: the float32 weight split into three half parts, tensor-core dots; float32-close to the GEMM."""
+def _check_router(fn, rows: int, dtype: torch.dtype, config: dict, tol: float) -> torch.Tensor:
+    """``fn``'s float32 logits for x [rows, 203] and W [7, 203], defaults and ``config``, against the reference;
+    returns W."""
     g = torch.Generator().manual_seed(rows)
-    x = torch.randn(rows, 203, generator=g).to(HALF).to(DEVICE)
+    x = torch.randn(rows, 203, generator=g).to(dtype).to(DEVICE)
     w = torch.randn(7, 203, generator=g).to(DEVICE)
     want = router_logits_ref(x, w)
-    for cfg in (None, {"BLOCK_T": 16, "BLOCK_K": 32, "num_warps": 2, "num_stages": 1}):
-        got = router_logits_mma(x, w, config=cfg)
+    for cfg in (None, config):
+        got = fn(x, w, config=cfg)
         assert got.dtype == torch.float32 and got.shape == (rows, 7)
-        assert _rel(got, want) < 2e-6  # one half part alone is ~1e-3 off: all three count
+        assert _rel(got, want) < tol, cfg
+    return w
+
+
+@pytest.mark.parametrize("rows", [65, 130, 200])
+def test_router_logits_mma_match_reference(rows):
+    """Prefill rows: the float32 weight split into three half parts, tensor-core dots; float32-close to the GEMM
+    (one half part alone is ~1e-3 off: all three count)."""
+    cfg = {"min_rows": 1, "BLOCK_T": 16, "BLOCK_K": 32, "num_warps": 2, "num_stages": 1}
+    w = _check_router(router_logits_mma, rows, HALF, cfg, 2e-6)
     with pytest.raises(ValueError, match="do not fit"):
-        router_logits_mma(x.float(), w)
+        router_logits_mma(torch.zeros(rows, 203, device=DEVICE), w)
