@@ -62,15 +62,19 @@ SPLITS = (1, 2) if SMOKE else (1, 2, 4, 8)
 SMS = 132  # H200: splits stop once the previous split count already made 6 waves
 ACC_PER_THREAD = (16, 128)  # one-row tiles: fp32 accumulators a thread holds (16 bytes a load .. no spills)
 ONE_ROW_KEYS = ("BLOCK_N", "BLOCK_K", "num_warps", "split_k")
-DOT_KEYS = ("DOT_BLOCK_N", "DOT_BLOCK_K", "dot_num_warps", "dot_num_stages", "split_k")
+DOT_KEYS = ("DOT_BLOCK_N", "DOT_BLOCK_K", "dot_num_warps", "dot_num_stages", "dot_unroll", "split_k")
 if SMOKE:
     ONE_ROW_GRID = [dict(BLOCK_N=8, BLOCK_K=128, num_warps=2)]
-    DOT_GRID = [dict(DOT_BLOCK_N=16, DOT_BLOCK_K=128, dot_num_warps=4, dot_num_stages=2)]
+    DOT_GRID = [dict(DOT_BLOCK_N=16, DOT_BLOCK_K=128, dot_num_warps=4, dot_num_stages=2, dot_unroll=u)
+                for u in (False, True)]
 else:
     ONE_ROW_GRID = [dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=w) for bn in (4, 8, 16, 32) for bk in (256, 512, 1024, 2048)
                     for w in (2, 4, 8) if ACC_PER_THREAD[0] <= bn * bk // (32 * w) <= ACC_PER_THREAD[1]]
-    DOT_GRID = [dict(DOT_BLOCK_N=bn, DOT_BLOCK_K=128, dot_num_warps=w, dot_num_stages=s) for bn in (16, 32, 64, 128)
-                for w in (4, 8) for s in (2, 3, 4)]
+    DOT_GRID = [dict(DOT_BLOCK_N=bn, DOT_BLOCK_K=128, dot_num_warps=w, dot_num_stages=s, dot_unroll=False)
+                for bn in (16, 32, 64, 128) for w in (4, 8) for s in (2, 3, 4)]
+    # straight-line tiles: num_stages does nothing there
+    DOT_GRID += [dict(DOT_BLOCK_N=bn, DOT_BLOCK_K=128, dot_num_warps=w, dot_num_stages=1, dot_unroll=True)
+                 for bn in (16, 32, 64, 128) for w in (4, 8)]
 
 
 def fp8_decode_shapes(tiny: bool) -> dict[tuple[int, int], list[str]]:
@@ -241,7 +245,8 @@ def summarise(row: dict, min_gain: float) -> dict:
                    best_entry=best["entry"])
     if rival is not None and (not cur.get("ok") or rival["us"] < (1.0 - min_gain) * cur["us"]):
         keys = ONE_ROW_KEYS if row["M"] == 1 else DOT_KEYS
-        out.update(entry={key: rival["entry"][key] for key in keys}, entry_config=rival["config"],
+        out.update(entry={key: rival["entry"][key] for key in keys if key in rival["entry"]},
+                   entry_config=rival["config"],
                    entry_us=rival["us"])
     return out
 

@@ -64,10 +64,12 @@ def test_fp8_linear_matches_reference(m, n, k, block):
 
 @pytest.mark.parametrize("m,tiles", [(1, dict(NSUB=2, SUB_K=16, K_TILES=1)), (1, dict(NSUB=1, SUB_K=16, K_TILES=2)),
                                      (5, dict(BLOCK_M=16, NSUB=1, SUB_K=16, K_TILES=2)),
+                                     (5, dict(BLOCK_M=16, NSUB=1, SUB_K=16, K_TILES=3, unroll=True)),
                                      (20, dict(BLOCK_M=32, NSUB=1, SUB_K=32, K_TILES=1))])
 @pytest.mark.parametrize("n,k,block", [(45, 96, (16, 32)), (33, 50, (1, 50)), (40, 150, (8, 32))])
 def test_fp8_skinny_split_k_and_tiles(m, tiles, n, k, block):
-    """Forced split-K (the last-arriver sum, tickets reset) and sub-tiles narrower than a scale block."""
+    """Forced split-K (the last-arriver sum, tickets reset), sub-tiles narrower than a scale block, and the
+    multi-row tiles unrolled into straight-line code."""
     torch.manual_seed(4)
     x = torch.randn(m, k)
     wq, s = ref.quantize_blocks(torch.randn(n, k), *block)

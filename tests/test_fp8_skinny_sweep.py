@@ -17,7 +17,7 @@ from armillary.kernels.triton import fp8_skinny
 
 ROOT = Path(__file__).resolve().parents[1]
 TABLE_KEYS = {"BLOCK_N", "BLOCK_K", "num_warps", "DOT_BLOCK_N", "DOT_BLOCK_K", "dot_num_warps", "dot_num_stages",
-              "split_k"}
+              "dot_unroll", "split_k"}
 PACKAGE = "fp8_skinny_sweep_table"  # a throwaway package whose tuning/cpu.json holds the swept entry
 
 

@@ -44,11 +44,12 @@ KERNEL = "fp8_skinny"
 # BLOCK_K: fp8 bytes per weight row per one-row tile (16 per thread in 32-thread rows); DOT_BLOCK_N 0:
 # 32 up to 16 rows, 64 above; DOT_BLOCK_K: columns per multi-row tile (at most the weight's K block);
 # split_k 0: enough splits for target_waves programs per SM, each keeping >= (dot_)min_split_cols
-# columns of K; fast_bf16: the integer e4m3 -> bf16 widening (False: Triton's cast, for comparison).
+# columns of K; fast_bf16: the integer e4m3 -> bf16 widening (False: Triton's cast, for comparison);
+# dot_unroll: the multi-row tiles as straight-line code instead of a pipelined loop (num_stages unused).
 DEFAULTS = {
     "BLOCK_N": 16, "BLOCK_K": 512, "num_warps": 4, "DOT_BLOCK_N": 0, "DOT_BLOCK_K": 128, "dot_num_warps": 4,
     "dot_num_stages": 4, "split_k": 0, "target_waves": 2, "min_split_cols": 1024, "dot_min_split_cols": 512,
-    "fast_bf16": True,
+    "fast_bf16": True, "dot_unroll": False,
 }  # fmt: skip
 OFFLINE_SM_COUNT: int | None = None  # set by bench/fp8_compile_check.py: pick GPU configs with no GPU
 
@@ -149,6 +150,29 @@ def fp8_row_scales(s_ptr, rows, stride_sn, GROUP_N: tl.constexpr):
     return tl.load(s_ptr + (rows // GROUP_N) * stride_sn)
 
 
+@triton.jit
+def _dot_tile(acc, w_ptrs, x_ptrs, s_ptr, rows, row_blk, k0, K, offs_k, stride_sn, stride_sk,
+              GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, K_SCALED: tl.constexpr, ROWS_SHARE: tl.constexpr,
+              EVEN_K: tl.constexpr, FAST_BF16: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """acc [BN, BM] += W[rows, k0 : k0 + SUB_K] · x[:, same]^T times the tile's block scale."""
+    if EVEN_K:
+        w = tl.load(w_ptrs + k0, eviction_policy="evict_first")
+        x = tl.load(x_ptrs + k0)
+    else:
+        k_ok = offs_k < K - k0
+        w = tl.load(w_ptrs + k0, mask=k_ok[None, :], other=0.0, eviction_policy="evict_first")
+        x = tl.load(x_ptrs + k0, mask=k_ok[None, :], other=0.0)
+    wd = e4m3_to_bf16(w) if FAST_BF16 else w.to(x.dtype)  # exact either way
+    part = tl.dot(wd, tl.trans(x), input_precision=DOT_PRECISION)  # [BN, BM] fp32
+    if K_SCALED:
+        kcol = tl.minimum(k0, K - 1) // GROUP_K  # clamped: a tile past K multiplies zeros
+        if ROWS_SHARE:
+            return acc + part * tl.load(s_ptr + row_blk * stride_sn + kcol * stride_sk)
+        s = tl.load(s_ptr + (rows // GROUP_N) * stride_sn + kcol * stride_sk)
+        return acc + part * s[:, None]
+    return acc + part
+
+
 @triton.jit(do_not_specialize=["M", "split_k"])
 def _fp8_skinny_kernel(
     x_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, part_ptr, ticket_ptr,
@@ -156,7 +180,7 @@ def _fp8_skinny_kernel(
     GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, K_SCALED: tl.constexpr, ROWS_SHARE: tl.constexpr,
     HAS_BIAS: tl.constexpr, USE_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr, EVEN_K: tl.constexpr,
     K_TILES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NSUB: tl.constexpr,
-    SUB_K: tl.constexpr, FAST_BF16: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr,
+    SUB_K: tl.constexpr, FAST_BF16: tl.constexpr, UNROLL: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr,
 ):  # fmt: skip
     """Grid (N tiles, M tiles, split_k): program (n, m, s) computes out tile (m, n) over K tiles
     [s · K_TILES, (s + 1) · K_TILES) of NSUB · SUB_K columns. part_ptr: [split_k, M, N] fp32;
@@ -178,26 +202,14 @@ def _fp8_skinny_kernel(
         acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
         w_ptrs = w_ptr + rows[:, None].to(tl.int64) * stride_wn + offs_k[None, :]  # [BN, SUB_K]
         x_ptrs = x_ptr + (offs_m % M)[:, None].to(tl.int64) * stride_xm + offs_k[None, :]  # [BM, SUB_K]
-        for kt in range(K_TILES):
-            k0 = k_lo + kt * SUB_K
-            if EVEN_K:
-                w = tl.load(w_ptrs + k0, eviction_policy="evict_first")
-                x = tl.load(x_ptrs + k0)
-            else:
-                k_ok = offs_k < K - k0
-                w = tl.load(w_ptrs + k0, mask=k_ok[None, :], other=0.0, eviction_policy="evict_first")
-                x = tl.load(x_ptrs + k0, mask=k_ok[None, :], other=0.0)
-            wd = e4m3_to_bf16(w) if FAST_BF16 else w.to(x.dtype)  # exact either way
-            part = tl.dot(wd, tl.trans(x), input_precision=DOT_PRECISION)  # [BN, BM] fp32
-            if K_SCALED:
-                kcol = tl.minimum(k0, K - 1) // GROUP_K  # clamped: a tile past K multiplies zeros
-                if ROWS_SHARE:
-                    acc += part * tl.load(s_ptr + row_blk * stride_sn + kcol * stride_sk)
-                else:
-                    s = tl.load(s_ptr + (rows // GROUP_N) * stride_sn + kcol * stride_sk)
-                    acc += part * s[:, None]
-            else:
-                acc += part
+        if UNROLL:  # straight-line tiles: the compiler may issue later tiles' loads before the first dot
+            for kt in tl.static_range(K_TILES):
+                acc = _dot_tile(acc, w_ptrs, x_ptrs, s_ptr, rows, row_blk, k_lo + kt * SUB_K, K, offs_k, stride_sn,
+                                stride_sk, GROUP_N, GROUP_K, K_SCALED, ROWS_SHARE, EVEN_K, FAST_BF16, DOT_PRECISION)
+        else:  # a loop the software pipeliner stages through shared memory (num_stages)
+            for kt in range(K_TILES):
+                acc = _dot_tile(acc, w_ptrs, x_ptrs, s_ptr, rows, row_blk, k_lo + kt * SUB_K, K, offs_k, stride_sn,
+                                stride_sk, GROUP_N, GROUP_K, K_SCALED, ROWS_SHARE, EVEN_K, FAST_BF16, DOT_PRECISION)
     else:  # one row
         sub = tl.arange(0, NSUB)
         kk = tl.arange(0, SUB_K)
@@ -264,6 +276,7 @@ def decode_config(m: int, n: int, k: int, block_n: int, block_k: int, device: to
     k_tiles = cdiv(k_blocks, max(1, min(split, k_blocks)))
     return dict(USE_DOT=use_dot, BLOCK_M=bm, BLOCK_N=bn, NSUB=nsub, SUB_K=sub_k, K_SCALED=scaled,
                 K_TILES=k_tiles, split_k=cdiv(k_blocks, k_tiles), fast_bf16=cfg["fast_bf16"],
+                unroll=bool(use_dot and cfg["dot_unroll"]),
                 num_warps=cfg["dot_num_warps"] if use_dot else cfg["num_warps"],
                 num_stages=cfg["dot_num_stages"] if use_dot and on_gpu(device) else 1)
 
@@ -294,6 +307,7 @@ def fp8_skinny_gemm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, 
         EVEN_K=k % (width * cfg["K_TILES"]) == 0, K_TILES=cfg["K_TILES"], BLOCK_M=cfg["BLOCK_M"],
         BLOCK_N=cfg["BLOCK_N"], NSUB=cfg["NSUB"], SUB_K=cfg["SUB_K"],
         FAST_BF16=cfg.get("fast_bf16", True) and x.dtype == torch.bfloat16 and on_gpu(x.device),
+        UNROLL=cfg.get("unroll", False),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl_options(x.device, prefetch="weights"),
     )  # fmt: skip
     return out
