@@ -33,8 +33,8 @@ from armillary.kernels.triton.pdl import launch_options, pdl_launch_dependents, 
 from armillary.kernels.tuning import kernel_config
 
 # split_bv: 0 walks each key head's value heads in one program; a power of two splits V in BV columns;
-# early_state: the walk loads the next value head's state before working the current one
-DECODE_DEFAULTS = {"num_warps": 4, "split_bv": 0, "early_state": False}
+# a table's "early_state": true makes the walk load the next value head's state before working the current one
+DECODE_DEFAULTS = {"num_warps": 4, "split_bv": 0}
 
 
 @triton.jit
