@@ -42,19 +42,12 @@ H, HV, K, V, KW = (2, 4, 16, 24, 4) if SMOKE else (16, 32, 128, 128, 4)
 CONV_DIM = 2 * H * K + HV * V
 LAUNCHES = 2 if SMOKE else 20
 REFERENCE = {"split_bv": 0, "num_warps": 4}  # today's kernel
-# (split_bv, num_warps): 0 = a program per (token, key head); BV = a program per (token, value head, BV columns);
-# "e" after the warps: the key-head walk with early_state (the next head's state loaded before this one's work)
-CONFIGS = [(0, 4), (0, "4e"), (8, 1), (8, 2), (16, 2)] if SMOKE else [
-    (0, 4), (0, 8), (0, 16), (0, "4e"), (0, "8e"), (0, "16e"),
+# (split_bv, num_warps): 0 = a program per (token, key head); BV = a program per (token, value head, BV columns)
+CONFIGS = [(0, 4), (8, 1), (8, 2), (16, 2)] if SMOKE else [
+    (0, 4), (0, 8), (0, 16),
     (8, 1), (8, 2), (16, 1), (16, 2), (16, 4), (32, 1), (32, 2), (32, 4),
     (64, 2), (64, 4), (64, 8), (128, 4), (128, 8), (128, 16),
 ]
-
-
-def launch(bv: int, warps: int | str) -> dict:
-    """The config dict of one CONFIGS entry."""
-    early = isinstance(warps, str) and warps.endswith("e")
-    return {"split_bv": bv, "num_warps": int(str(warps).rstrip("e")), **({"early_state": True} if early else {})}
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -128,7 +121,7 @@ def compile_all(results: dict) -> set[str]:
     for bv, w in CONFIGS:
         name, start = f"bv{bv}_w{w}", time.perf_counter()
         try:
-            call(x, launch(bv, w))
+            call(x, {"split_bv": bv, "num_warps": w})
             if not SMOKE:
                 torch.cuda.synchronize()
         except Exception as exc:  # recorded and skipped
@@ -152,7 +145,7 @@ def sweep_batch(batch: int, deadline: float, results: dict, failed: set[str]) ->
         print(f"B={batch:<3} {'floor (one-element add)':44} {rows['floor']['us']:8.2f} us", flush=True)
     table = decode_config(batch, K, V, DEVICE)
     todo = [("table " + json.dumps(table, sort_keys=True), None)]
-    todo += [(f"bv{bv}_w{w}", launch(bv, w)) for bv, w in CONFIGS]
+    todo += [(f"bv{bv}_w{w}", {"split_bv": bv, "num_warps": w}) for bv, w in CONFIGS]
     for name, cfg in todo:
         if name in failed or time.perf_counter() > deadline:
             rows[name] = {"skipped": "compile error" if name in failed else "time budget"}
@@ -188,11 +181,11 @@ def recommend(results: dict) -> dict:
         if cands:
             name = min(cands, key=lambda n: cands[n]["us"])
             bv, w = name[2:].split("_w")
-            best[int(key[1:])] = {**launch(int(bv), w), "us": cands[name]["us"],
+            best[int(key[1:])] = {"split_bv": int(bv), "num_warps": int(w), "us": cands[name]["us"],
                                   "today_us": rows.get("bv0_w4", {}).get("us")}
     if not best:
         return {}
-    strip = lambda b: {k: v for k, v in b.items() if k in ("split_bv", "num_warps", "early_state")}  # noqa: E731
+    strip = lambda b: {k: v for k, v in b.items() if k in ("split_bv", "num_warps")}  # noqa: E731
     largest = max(best)
     entry = {"default": {**strip(best[largest])}}
     smaller = [b for b in sorted(best) if b != largest]

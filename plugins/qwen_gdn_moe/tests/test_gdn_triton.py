@@ -158,12 +158,9 @@ def _decode_case(H, HV, K, V, dtype, num_slots, gen):
 
 
 # split_bv 0: a program per key head; 8: V in blocks of 8 (tickets for the windows and the row norm);
-# 32 >= V: a program per whole value head (tickets for the q/k windows only when HV > H); None: the table's;
-# early_state: the walk with the next value head's state loaded before the current one is worked
+# 32 >= V: a program per whole value head (tickets for the q/k windows only when HV > H); None: the table's
 @pytest.mark.parametrize("H,HV,K,V,dtype,config", [
     (2, 4, 24, 20, torch.float32, {"split_bv": 0}),
-    (2, 4, 24, 20, torch.float32, {"split_bv": 0, "early_state": True}),
-    (1, 3, 16, 36, torch.float16, {"split_bv": 0, "early_state": True}),
     (2, 4, 24, 20, torch.float16, None),
     (1, 3, 16, 36, torch.float32, {"split_bv": 0}),
     (2, 4, 24, 20, torch.float32, {"split_bv": 8, "num_warps": 2}),
@@ -264,10 +261,10 @@ def test_fused_decode_out_slots_chain_keeps_every_state(config):
     assert not ticket_buffer(torch.device(DEVICE), 0).any()
 
 
-@pytest.mark.parametrize("split,early", [(False, False), (False, True), (True, False)])
-def test_fused_decode_prefetches_its_state_before_the_pdl_wait_on_sm90(split, early):
+@pytest.mark.parametrize("split", [False, True])
+def test_fused_decode_prefetches_its_state_before_the_pdl_wait_on_sm90(split):
     """Compiled offline for sm_90 with PDL and PREFETCH (Qwen3.6's 16 key / 32 value heads of 128): the state
-    tile's L2 prefetches, and the one slot-row load they need, come before the wait (early_state too)."""
+    tile's L2 prefetches, and the one slot-row load they need, come before the wait."""
     from armillary.testing.offline_ptx import assert_prefetch_before_wait, kernel_ptx
 
     ptrs = ("mixed", "conv_weight", "conv_states", "ssm_states", "a_log", "dt_bias", "norm_weight", "state_slots",
@@ -278,7 +275,7 @@ def test_fused_decode_prefetches_its_state_before_the_pdl_wait_on_sm90(split, ea
     ints = dict.fromkeys(("stride_mixed", "stride_w", "stride_conv", "stride_ssm", "stride_out"), "i32")
     consts = {"NUM_K_HEADS": 16, "GROUP": 2, "K": 128, "V": 128, "KW": 4, "KW_P2": 4, "BK": 128,
               "BV": 16 if split else 128, "SPLIT": split, "NV": 8 if split else 1, "NV_P2": 8 if split else 1,
-              "BV_ROW": 128, "EARLY": early, "PDL": True, "PREFETCH": True}
+              "BV_ROW": 128, "PDL": True, "PREFETCH": True}
     signature = {**types, **ints, "eps": "fp32", "scale": "fp32", **dict.fromkeys(consts, "constexpr")}
     ptx = kernel_ptx("armillary_qwen_gdn_moe.ops.gated_delta_rule.fused_recurrent", "_gdn_decode_kernel", signature,
                      consts)

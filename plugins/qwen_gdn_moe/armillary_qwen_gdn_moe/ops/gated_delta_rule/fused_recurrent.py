@@ -32,8 +32,7 @@ from armillary.kernels.triton.host import cdiv, next_power_of_2
 from armillary.kernels.triton.pdl import launch_options, pdl_launch_dependents, pdl_wait, prefetch_rows_l2
 from armillary.kernels.tuning import kernel_config
 
-# split_bv: 0 walks each key head's value heads in one program; a power of two splits V in BV columns;
-# a table's "early_state": true makes the walk load the next value head's state before working the current one
+# split_bv: 0 walks each key head's value heads in one program; a power of two splits V in BV columns
 DECODE_DEFAULTS = {"num_warps": 4, "split_bv": 0}
 
 
@@ -120,10 +119,9 @@ def _key_head_step(
     mixed, conv_weight, conv_states, ssm_states, a_log, dt_bias, norm_weight, state_slots, out_slots, out,
     stride_mixed, stride_w, stride_conv, stride_ssm, stride_out, eps, scale,
     NUM_K_HEADS: tl.constexpr, GROUP: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-    KW: tl.constexpr, KW_P2: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, EARLY: tl.constexpr,
+    KW: tl.constexpr, KW_P2: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
 ):
-    """Program (token, key head): its GROUP value heads' [K, V] tiles one after another. EARLY: each head's
-    state load is issued before the previous head's work (two tiles live at once: more bytes in flight)."""
+    """Program (token, key head): its GROUP value heads' [K, V] tiles one after another."""
     i_b = tl.program_id(0)
     i_kh = tl.program_id(1)
     KEY_DIM: tl.constexpr = NUM_K_HEADS * K
@@ -148,24 +146,16 @@ def _key_head_step(
     w = tl.load(norm_weight + o_v, mask=m_v, other=0.0).to(tl.float32)
     offs = o_k[:, None] * V + o_v[None, :]  # [BK, BV] inside one head's [K, V] state
     m_s = m_k[:, None] & m_v[None, :]
-    p_heads = ssm_states + slot * stride_ssm + i_kh * GROUP * K * V  # this key head's first value head
-    if EARLY:
-        s_next = tl.load(p_heads + offs, mask=m_s, other=0.0)
 
     for j in tl.static_range(GROUP):
         i_hv = i_kh * GROUP + j
-        if EARLY:
-            s_old = s_next
-            if j + 1 < GROUP:  # the next head's tile on its way while this one is worked
-                s_next = tl.load(p_heads + (j + 1) * K * V + offs, mask=m_s, other=0.0)
-        else:
-            s_old = tl.load(p_heads + j * K * V + offs, mask=m_s, other=0.0)
         ch_v = 2 * KEY_DIM + i_hv * V + o_v
         v, v_win = _conv_window_step(row, window, conv_weight, ch_v, m_v, stride_w, KW, KW_P2)
         beta, decay = _gates(row, a_log, dt_bias, i_hv, CONV_DIM + VALUE_DIM, NUM_V_HEADS)
 
+        p_s = ssm_states + slot * stride_ssm + i_hv * K * V
         p_s_out = ssm_states + slot_out * stride_ssm + i_hv * K * V
-        s = s_old * decay  # [BK, BV]
+        s = tl.load(p_s + offs, mask=m_s, other=0.0) * decay  # [BK, BV]
         delta = beta * (v - tl.sum(s * k[:, None], 0))  # what the decayed state does not yet predict
         s += k[:, None] * delta[None, :]
         o = tl.sum(s * q[:, None], 0)  # [BV]
@@ -271,8 +261,8 @@ def _gdn_decode_kernel(
     stride_mixed, stride_w, stride_conv, stride_ssm, stride_out, eps, scale,
     NUM_K_HEADS: tl.constexpr, GROUP: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     KW: tl.constexpr, KW_P2: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    SPLIT: tl.constexpr, NV: tl.constexpr, NV_P2: tl.constexpr, BV_ROW: tl.constexpr, EARLY: tl.constexpr,
-    PDL: tl.constexpr, PREFETCH: tl.constexpr,
+    SPLIT: tl.constexpr, NV: tl.constexpr, NV_P2: tl.constexpr, BV_ROW: tl.constexpr, PDL: tl.constexpr,
+    PREFETCH: tl.constexpr,
 ):
     pdl_launch_dependents(PDL)
     if PREFETCH:  # the state rows were written by an earlier step and the slots copied in before it: ask L2 now
@@ -297,7 +287,7 @@ def _gdn_decode_kernel(
         _key_head_step(
             mixed, conv_weight, conv_states, ssm_states, a_log, dt_bias, norm_weight, state_slots, out_slots, out,
             stride_mixed, stride_w, stride_conv, stride_ssm, stride_out, eps, scale,
-            NUM_K_HEADS, GROUP, K, V, KW, KW_P2, BK, BV, EARLY,
+            NUM_K_HEADS, GROUP, K, V, KW, KW_P2, BK, BV,
         )
 
 
@@ -339,7 +329,7 @@ def fused_gdn_decode(
     norm_weight: [V]; state_slots: [B] int (distinct, except padding rows whose results nobody
     reads). conv_states and ssm_states of those slots are updated in place. q, k are
     L2-normalised (eps 1e-6 inside the root), q scaled by K^-0.5. ``out``: optional [B, HV·V]
-    destination; ``config`` ({"num_warps", "split_bv", "early_state"}) overrides the tuning table. ``out_slots``:
+    destination; ``config`` ({"num_warps", "split_bv"}) overrides the tuning table. ``out_slots``:
     [B] rows to write the new states to instead of ``state_slots`` (verifying drafts: each
     position's state kept apart; must not be another token's ``state_slots`` row).
     Returns [B, HV·V] in mixed's dtype, ready for out_proj.
@@ -394,8 +384,7 @@ def fused_gdn_decode(
         eps, head_k_dim**-0.5,
         NUM_K_HEADS=num_k_heads, GROUP=num_v_heads // num_k_heads, K=head_k_dim, V=head_v_dim,
         KW=kw, KW_P2=next_power_of_2(kw), BK=bk, BV=bv, SPLIT=bool(split_bv), NV=nv,
-        NV_P2=next_power_of_2(nv), BV_ROW=bv_row, EARLY=bool(cfg.get("early_state")) and not split_bv,
-        num_warps=cfg["num_warps"],
+        NV_P2=next_power_of_2(nv), BV_ROW=bv_row, num_warps=cfg["num_warps"],
         **launch_options(mixed.device, prefetch="state"),
     )
     return out
