@@ -26,6 +26,7 @@ class ScriptedEngine:
         self.aborted: list[str] = []
         self.paused = threading.Event()  # set: steps make no progress
         self.fail_next_step = False
+        self.pause_after: int | None = None  # a request's token count at which steps pause (``paused`` set)
         self.thread_ids: set[int] = set()
 
     def add_request(self, request_id, prompt, params) -> None:
@@ -58,6 +59,8 @@ class ScriptedEngine:
                                                                            "length" if done else None)], done))
             if done:
                 del self.requests[rid]
+            if self.pause_after is not None and len(tokens) >= self.pause_after:
+                self.paused.set()
         return outputs
 
     def stats(self) -> dict:
@@ -130,6 +133,7 @@ def test_consumer_leaving_early_aborts_and_frees_at_once(engine):
     eng, fake = engine
 
     async def main():
+        fake.pause_after = 1  # unfinished until aborted, however slowly the event loop runs
         gen = eng.generate("long", [1], SamplingParams(max_tokens=10_000))
         await gen.__anext__()
         await gen.aclose()  # what a client disconnect does to the response generator
@@ -161,6 +165,7 @@ def test_shutdown_aborts_in_flight_and_refuses_new_requests(engine):
     eng, fake = engine
 
     async def main():
+        fake.pause_after = 1  # in flight for good: else a starved event loop may first see all 10,000 tokens
         stream = await eng.submit("x", [1], SamplingParams(max_tokens=10_000))
         await stream.__anext__()
         eng.begin_shutdown()
