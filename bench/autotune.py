@@ -139,7 +139,7 @@ def merge(table: dict, entries: dict, source: str, by_shape: bool = False, by_ke
 
     ``by_shape`` (skinny-GEMM keys ``n{N}_k{K}_m{M}``): the old keys of shapes the sweep did not time
     stay, and ``max_rows`` is the larger of the two (Gemma 3 then Gemma 4 into the gemma plugin's table);
-    ``by_key``: every old key the sweep did not write stays."""
+    ``by_key``: every old key the sweep did not write stays, and the old comment leads the new one."""
     merged = dict(table)
     for kernel, entry in entries.items():
         new = {"_comment": f"{source}, {datetime.date.today()}", **entry}
@@ -149,8 +149,10 @@ def merge(table: dict, entries: dict, source: str, by_shape: bool = False, by_ke
             kept = {key: v for key, v in old.items() if key.startswith("n") and key.rsplit("_m", 1)[0] not in swept}
             rows = [d.get("max_rows") for d in (old.get("default", {}), entry.get("default", {})) if d.get("max_rows")]
             new = {**new, **kept, **({"default": {**entry.get("default", {}), "max_rows": max(rows)}} if rows else {})}
-        if by_key and old:
-            new = {**{k: v for k, v in old.items() if k != "_comment"}, **new}
+        if by_key and old:  # the old comment stays as the entry's history, the new one after it
+            history = f"{old['_comment']}; then " if old.get("_comment") else ""
+            new = {"_comment": history + new["_comment"], **{k: v for k, v in old.items() if k != "_comment"},
+                   **{k: v for k, v in new.items() if k != "_comment"}}
         merged[kernel] = new
     return merged
 

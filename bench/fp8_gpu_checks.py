@@ -2,8 +2,8 @@
 
 The e4m3 casts (the skinny GEMMs' integer e4m3 -> bf16 and -> fp32 over all 256 codes; fp32 -> e4m3 and the
 activation quantizer bit-equal to torch, differing bytes counted), fp8 linear per projection shape:
-skinny decode (integer widening and Triton's cast, vs bf16 cuBLAS), prefill on the Triton GEMM and
-on cuBLAS's block-scaled ``torch._scaled_mm`` (the route's probe result printed), the fp8 fused MoE
+skinny decode (integer widening, Triton's cast, scales on the widened weights; vs bf16 cuBLAS), prefill
+on the Triton GEMM and on cuBLAS's block-scaled ``torch._scaled_mm`` (the route's probe result printed), the fp8 fused MoE
 (GEMV, grouped with 64- and 128-row tiles), the fp8 KV store (differing bytes counted, -0 / +0
 pairs apart) and decode attention over fp8 pages at 32K context. Exit status 1 on any failure.
 
@@ -23,7 +23,7 @@ import triton.language as tl
 from armillary.kernels import fp8 as ref
 from armillary.kernels.triton import fp8_gemm, fp8_moe, fp8_scaled_mm
 from armillary.kernels.triton.fp8_cast import to_e4m3
-from armillary.kernels.triton.fp8_skinny import e4m3_to_bf16, e4m3_to_f32_folded
+from armillary.kernels.triton.fp8_skinny import e4m3_to_bf16, e4m3_to_bf16_scaled, e4m3_to_f32_folded
 
 H, I_MOE, E, TOP_K = 2048, 512, 256, 8
 SMOKE = "--smoke" in sys.argv  # CPU (TRITON_INTERPRET=1), small sizes: checks the driver itself
@@ -88,6 +88,14 @@ def _widen_kernel(q_ptr, out_ptr, n, BLOCK: tl.constexpr):
 
 
 @triton.jit
+def _widen_scaled_kernel(q_ptr, s_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < n
+    scale = tl.load(s_ptr + tl.program_id(0))
+    tl.store(out_ptr + offs, e4m3_to_bf16_scaled(tl.load(q_ptr + offs, mask=ok, other=0.0), scale), mask=ok)
+
+
+@triton.jit
 def _fold_kernel(q_ptr, out_ptr, n, BLOCK: tl.constexpr):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < n
@@ -108,11 +116,15 @@ def cast_checks(dev: torch.device, results: list) -> bool:
     codes = torch.tensor([c for c in range(256) if c & 0x7F != 0x7F], dtype=torch.uint8, device=dev)
     q = codes.repeat(16).view(torch.float8_e4m3fn)  # 4 KB: several programs, every code in every lane
     if SMOKE:
-        widen_bad = -1  # inline PTX: GPU only
+        widen_bad = scaled_bad = -1  # inline PTX: GPU only
     else:
         out = torch.empty(q.shape, dtype=torch.bfloat16, device=dev)
         _widen_kernel[(triton.cdiv(q.numel(), 1024),)](q, out, q.numel(), BLOCK=1024)
         widen_bad = int((out.view(torch.int16) != q.to(torch.bfloat16).view(torch.int16)).sum())
+        scales = torch.tensor([3.0517578125e-05, 1.7e-4, 2.2e-3, 0.731], device=dev)  # a program each
+        _widen_scaled_kernel[(4,)](q, scales, out, q.numel(), BLOCK=1024)
+        want = (q.float() * scales.bfloat16().float().repeat_interleave(1024)[: q.numel()]).bfloat16()
+        scaled_bad = int((out.view(torch.int16) != want.view(torch.int16)).sum())
     fold = torch.empty(q.shape, dtype=torch.float32, device=dev)
     _fold_kernel[(triton.cdiv(q.numel(), 1024),)](q, fold, q.numel(), BLOCK=1024)
     fold_bad = int((fold.view(torch.int32) != (q.float() * 2.0 ** -120).view(torch.int32)).sum())
@@ -130,6 +142,7 @@ def cast_checks(dev: torch.device, results: list) -> bool:
     quant_bad, quant_zero = byte_diff(aq[:m], want_q)
     scale_bad = int((a_s[:, :m].t() != want_s).sum())
     for name, bad, extra in (("e4m3 -> bf16 (integer widening, 256 codes)", widen_bad, ""),
+                             ("e4m3 -> bf16 times bf16(scale) (integer widening, 4 scales)", scaled_bad, ""),
                              ("e4m3 -> fp32 * 2^-120 (integer widening, 256 codes)", fold_bad, ""),
                              ("fp32 -> e4m3 (5M values)", narrow_bad, f", -0/+0 pairs {narrow_zero}"),
                              (f"activation quantizer [{m}, {k}] bytes", quant_bad, f", -0/+0 pairs {quant_zero}"),
@@ -212,7 +225,8 @@ def linear_checks(dev: torch.device, results: list, linears: dict, rows: tuple[i
             x = torch.randn(m, k, device=dev, dtype=ACT)
             if m <= fp8_gemm.DECODE_MAX_ROWS:
                 want = ref.linear(x, wq, s, 128, 128, None)
-                paths = {"skinny": {}, "skinny, Triton's e4m3 cast": dict(fast_bf16=False)} if m > 1 else {"skinny": {}}
+                paths = {"skinny": {}, "skinny, Triton's e4m3 cast": dict(fast_bf16=False),
+                         "skinny, scales on the weights": dict(scale_w=True)} if m > 1 else {"skinny": {}}
                 base = bench_us(lambda i: torch.nn.functional.linear(x, dense[i % copies]), iters=copies * 4) \
                     if dense else float("nan")
                 tol = 1e-2

@@ -3,6 +3,7 @@
     python bench/fp8_skinny_sweep.py                     # H200: M in 1, 2, 4, 8; results to $OUT (or --out)
     python bench/fp8_skinny_sweep.py --write             # also merge the entry into the installed Qwen table
     python bench/fp8_skinny_sweep.py --rows 16,32,64     # other M (64 streams' decode)
+    python bench/fp8_skinny_sweep.py --rows 8,16,32,64 --only dot_scale_w=true   # one candidate family beside the picks
     python bench/fp8_skinny_sweep.py --smoke --out DIR   # CPU (TRITON_INTERPRET=1): tiny shapes, 2 candidates a path
 
 Shapes: every ``ops.fp8_linear`` a decode step of ``Qwen3_5MoeTextConfig()`` makes with ``quantization=
@@ -62,19 +63,24 @@ SPLITS = (1, 2) if SMOKE else (1, 2, 4, 8)
 SMS = 132  # H200: splits stop once the previous split count already made 6 waves
 ACC_PER_THREAD = (16, 128)  # one-row tiles: fp32 accumulators a thread holds (16 bytes a load .. no spills)
 ONE_ROW_KEYS = ("BLOCK_N", "BLOCK_K", "num_warps", "split_k")
-DOT_KEYS = ("DOT_BLOCK_N", "DOT_BLOCK_K", "dot_num_warps", "dot_num_stages", "dot_unroll", "split_k")
+DOT_KEYS = ("DOT_BLOCK_N", "DOT_BLOCK_K", "dot_num_warps", "dot_num_stages", "dot_unroll", "dot_scale_w", "split_k")
 if SMOKE:
     ONE_ROW_GRID = [dict(BLOCK_N=8, BLOCK_K=128, num_warps=2)]
-    DOT_GRID = [dict(DOT_BLOCK_N=16, DOT_BLOCK_K=128, dot_num_warps=4, dot_num_stages=2, dot_unroll=u)
-                for u in (False, True)]
+    DOT_GRID = [dict(DOT_BLOCK_N=16, DOT_BLOCK_K=128, dot_num_warps=4, dot_num_stages=2, dot_unroll=u, dot_scale_w=sw)
+                for u in (False, True) for sw in (False, True)]
 else:
     ONE_ROW_GRID = [dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=w) for bn in (4, 8, 16, 32) for bk in (256, 512, 1024, 2048)
                     for w in (2, 4, 8) if ACC_PER_THREAD[0] <= bn * bk // (32 * w) <= ACC_PER_THREAD[1]]
-    DOT_GRID = [dict(DOT_BLOCK_N=bn, DOT_BLOCK_K=128, dot_num_warps=w, dot_num_stages=s, dot_unroll=False)
-                for bn in (16, 32, 64, 128) for w in (4, 8) for s in (2, 3, 4)]
+    DOT_GRID = [dict(DOT_BLOCK_N=bn, DOT_BLOCK_K=128, dot_num_warps=w, dot_num_stages=s, dot_unroll=False,
+                     dot_scale_w=False) for bn in (16, 32, 64, 128) for w in (4, 8) for s in (2, 3, 4)]
     # straight-line tiles: num_stages does nothing there
-    DOT_GRID += [dict(DOT_BLOCK_N=bn, DOT_BLOCK_K=128, dot_num_warps=w, dot_num_stages=1, dot_unroll=True)
-                 for bn in (16, 32, 64, 128) for w in (4, 8)]
+    DOT_GRID += [dict(DOT_BLOCK_N=bn, DOT_BLOCK_K=128, dot_num_warps=w, dot_num_stages=1, dot_unroll=True,
+                      dot_scale_w=False) for bn in (16, 32, 64, 128) for w in (4, 8)]
+    # block scales on the widened weights: one accumulator chain, no wait on each tile's product
+    DOT_GRID += [dict(DOT_BLOCK_N=bn, DOT_BLOCK_K=128, dot_num_warps=w, dot_num_stages=s, dot_unroll=False,
+                      dot_scale_w=True) for bn in (16, 32, 64, 128) for w in (4, 8) for s in (3, 4)]
+    DOT_GRID += [dict(DOT_BLOCK_N=bn, DOT_BLOCK_K=128, dot_num_warps=4, dot_num_stages=1, dot_unroll=True,
+                      dot_scale_w=True) for bn in (16, 32, 64, 128)]
 
 
 def fp8_decode_shapes(tiny: bool) -> dict[tuple[int, int], list[str]]:
@@ -273,7 +279,15 @@ def main() -> int:
     add_sweep_arguments(ap, 150.0)
     ap.add_argument("--smoke", action="store_true", help="CPU interpreter: tiny shapes, the plumbing only")
     ap.add_argument("--rows", default=None, help="comma-separated M values (default: 1,2,4,8)")
+    ap.add_argument("--only", action="append", default=[], metavar="KEY=VALUE",
+                    help="time only grid entries with this value (JSON), e.g. dot_scale_w=true; entries "
+                         "without the key stay")
     args = ap.parse_args()
+    global ONE_ROW_GRID, DOT_GRID
+    for only in args.only:
+        key, _, value = only.partition("=")
+        want = json.loads(value)
+        ONE_ROW_GRID, DOT_GRID = ([g for g in grid if g.get(key, want) == want] for grid in (ONE_ROW_GRID, DOT_GRID))
     rows = tuple(int(r) for r in args.rows.split(",")) if args.rows else ROWS
     start = time.time()
     out = output_folder(ap, args, SMOKE)

@@ -65,7 +65,10 @@ def test_fp8_linear_matches_reference(m, n, k, block):
 @pytest.mark.parametrize("m,tiles", [(1, dict(NSUB=2, SUB_K=16, K_TILES=1)), (1, dict(NSUB=1, SUB_K=16, K_TILES=2)),
                                      (5, dict(BLOCK_M=16, NSUB=1, SUB_K=16, K_TILES=2)),
                                      (5, dict(BLOCK_M=16, NSUB=1, SUB_K=16, K_TILES=3, unroll=True)),
-                                     (20, dict(BLOCK_M=32, NSUB=1, SUB_K=32, K_TILES=1))])
+                                     (20, dict(BLOCK_M=32, NSUB=1, SUB_K=32, K_TILES=1)),
+                                     (5, dict(BLOCK_M=16, BLOCK_N=16, NSUB=1, SUB_K=16, K_TILES=2, scale_w=True)),
+                                     (5, dict(BLOCK_M=16, BLOCK_N=16, NSUB=1, SUB_K=16, K_TILES=3, unroll=True,
+                                              scale_w=True))])
 @pytest.mark.parametrize("n,k,block", [(45, 96, (16, 32)), (33, 50, (1, 50)), (40, 150, (8, 32))])
 def test_fp8_skinny_split_k_and_tiles(m, tiles, n, k, block):
     """Forced split-K (the last-arriver sum, tickets reset), sub-tiles narrower than a scale block, and the
@@ -218,6 +221,42 @@ def test_e4m3_to_bf16_bit_moves_are_exact():
             got += (lanes * torch.tensor(2.0 ** 120, dtype=torch.bfloat16)).tolist()  # mul.rn.bf16x2
     want = torch.tensor(codes, dtype=torch.uint8).view(torch.float8_e4m3fn).to(torch.bfloat16)
     assert torch.equal(torch.tensor(got[: len(codes)], dtype=torch.bfloat16).view(torch.int16), want.view(torch.int16))
+
+
+def test_e4m3_to_bf16_scaled_rounds_once():
+    """fp8_skinny.e4m3_to_bf16_scaled's PTX replayed: the integer steps, then one bf16 multiply by bf16(s · 2^120),
+    equal (q · bf16(s)) rounded to bf16 for every e4m3 byte and scales of any size below 2^8."""
+    codes = torch.tensor([c for c in range(256) if c & 0x7F != 0x7F], dtype=torch.uint8)
+    q = codes.view(torch.float8_e4m3fn)
+    raw = (q.to(torch.bfloat16) * torch.tensor(2.0 ** -120, dtype=torch.bfloat16))  # the lanes before the multiply
+    assert torch.equal((raw.float() * 2.0 ** 120).to(torch.bfloat16), q.to(torch.bfloat16))
+    for scale in (3.0517578125e-05, 1.7e-4, 2.2e-3, 0.731, 1.0, 37.5, 200.0):
+        folded = torch.tensor(scale * 2.0 ** 120, dtype=torch.float32).to(torch.bfloat16)
+        got = raw * folded  # mul.rn.bf16x2: the exact product rounded once
+        want = (q.float() * torch.tensor(scale).to(torch.bfloat16).float()).to(torch.bfloat16)
+        assert torch.equal(got.view(torch.int16), want.view(torch.int16)), scale
+
+
+@pytest.mark.parametrize("unroll", [False, True])
+def test_fp8_skinny_scales_on_the_widened_weights(unroll):
+    """dot_scale_w with bf16 x: every weight is q · bf16(block scale) rounded to bf16 (what the PTX multiply gives);
+    one-hot rows of x read single weights back bit-exactly, across split K and a part tile (the GPU check runs the
+    PTX itself)."""
+    torch.manual_seed(6)
+    n, k, block = 45, 96, (16, 32)
+    cols = torch.tensor([0, 17, 40, 63, 95])
+    x = torch.zeros(len(cols), k, dtype=torch.bfloat16)
+    x[torch.arange(len(cols)), cols] = 1.0
+    wq, s = ref.quantize_blocks(torch.randn(n, k), *block)
+    s_full = s.repeat_interleave(block[0], 0)[:n].repeat_interleave(block[1], 1)[:, :k]  # [N, K]
+    rounded_scale = (wq.float() * s_full.bfloat16().float()).bfloat16()[:, cols].T
+    exact = (wq.float() * s_full).bfloat16()[:, cols].T
+    assert not torch.equal(rounded_scale, exact)  # the two roundings differ on these scales
+    cfg = dict(BLOCK_M=16, BLOCK_N=16, NSUB=1, SUB_K=32, K_TILES=2, split_k=2, unroll=unroll)
+    assert torch.equal(fp8_gemm.fp8_linear(x, wq, s, *block, config={**cfg, "scale_w": True}), rounded_scale)
+    dense = torch.randn(7, k).bfloat16()
+    out = fp8_gemm.fp8_linear(dense, wq, s, *block, config={**cfg, "scale_w": True})
+    assert _ratio(out, ref.linear(dense.float(), wq, s, *block, None)) < 8e-3
 
 
 def test_skinny_decode_config_reads_the_tuning_table(monkeypatch):

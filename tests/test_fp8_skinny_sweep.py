@@ -17,7 +17,7 @@ from armillary.kernels.triton import fp8_skinny
 
 ROOT = Path(__file__).resolve().parents[1]
 TABLE_KEYS = {"BLOCK_N", "BLOCK_K", "num_warps", "DOT_BLOCK_N", "DOT_BLOCK_K", "dot_num_warps", "dot_num_stages",
-              "dot_unroll", "split_k"}
+              "dot_unroll", "dot_scale_w", "split_k"}
 PACKAGE = "fp8_skinny_sweep_table"  # a throwaway package whose tuning/cpu.json holds the swept entry
 
 
@@ -64,7 +64,8 @@ def test_entry_is_well_formed_and_merged(smoke):
     assert others(merged) == others(shipped)  # every other kernel untouched
     keys = lambda e: {k: v for k, v in e.items() if k != "_comment"}  # noqa: E731
     assert keys(merged["fp8_skinny"]) == {**keys(shipped.get("fp8_skinny", {})), **keys(swept)}  # shipped keys kept
-    assert merged["fp8_skinny"]["_comment"].startswith("bench/fp8_skinny_sweep.py on cpu-interpreter")
+    comment = merged["fp8_skinny"]["_comment"]  # the shipped history first, then this sweep
+    assert comment.startswith(shipped["fp8_skinny"]["_comment"] + "; then bench/fp8_skinny_sweep.py on cpu-interpreter")
 
 
 def test_lookup_config_answers_the_entry(smoke, tmp_path, monkeypatch):

@@ -45,11 +45,12 @@ KERNEL = "fp8_skinny"
 # 32 up to 16 rows, 64 above; DOT_BLOCK_K: columns per multi-row tile (at most the weight's K block);
 # split_k 0: enough splits for target_waves programs per SM, each keeping >= (dot_)min_split_cols
 # columns of K; fast_bf16: the integer e4m3 -> bf16 widening (False: Triton's cast, for comparison);
-# dot_unroll: the multi-row tiles as straight-line code instead of a pipelined loop (num_stages unused).
+# dot_unroll: the multi-row tiles as straight-line code instead of a pipelined loop (num_stages unused);
+# dot_scale_w: block scales (rounded to bf16 for bf16 x) on the widened weight tiles, not on each tile's product.
 DEFAULTS = {
     "BLOCK_N": 16, "BLOCK_K": 512, "num_warps": 4, "DOT_BLOCK_N": 0, "DOT_BLOCK_K": 128, "dot_num_warps": 4,
     "dot_num_stages": 4, "split_k": 0, "target_waves": 2, "min_split_cols": 1024, "dot_min_split_cols": 512,
-    "fast_bf16": True, "dot_unroll": False,
+    "fast_bf16": True, "dot_unroll": False, "dot_scale_w": False,
 }  # fmt: skip
 OFFLINE_SM_COUNT: int | None = None  # set by bench/fp8_compile_check.py: pick GPU configs with no GPU
 
@@ -71,14 +72,10 @@ def pdl_options(device: torch.device, prefetch: str | None = None) -> dict:
     return launch_options(device, prefetch)
 
 
-@triton.jit
-def e4m3_to_bf16(w):
-    """float8e4nv -> bfloat16, exact, four values per 32-bit word: each byte moved to the top of a 16-bit
-    lane, exponent and mantissa shifted into bf16's fields (the e4m3 exponent lands 120 too low, the
-    sign stays), then one bf16x2 multiply by 2^120 (which also makes e4m3 subnormals normal)."""
-    return tl.inline_asm_elementwise(
-        asm="""
-        {
+# e4m3 -> bf16 by integer moves, four bytes of $2 into the bf16x2 lanes of $0 and $1 (each exponent 120 too low),
+# then one bf16x2 multiply of each by {mul}: 2^120 (e4m3_to_bf16) or bf16(scale · 2^120) (e4m3_to_bf16_scaled)
+_WIDEN_ASM = """
+        {{
         .reg .b32 a<2>, b<2>, e120;
         mov.u32 e120, 0x7B807B80;
         prmt.b32 a0, 0, $2, 0x5140;
@@ -89,11 +86,39 @@ def e4m3_to_bf16(w):
         shr.b32 b1, b1, 4;
         lop3.b32 b0, b0, 0x80008000, a0, 0xf8;
         lop3.b32 b1, b1, 0x80008000, a1, 0xf8;
-        mul.rn.bf16x2 $0, b0, e120;
-        mul.rn.bf16x2 $1, b1, e120;
-        }
-        """,
-        constraints="=r,=r,r", args=[w.to(tl.uint8, bitcast=True)], dtype=tl.bfloat16, is_pure=True, pack=4)
+        mul.rn.bf16x2 $0, b0, {mul};
+        mul.rn.bf16x2 $1, b1, {mul};
+        }}
+        """
+WIDEN_ASM = tl.constexpr(_WIDEN_ASM.format(mul="e120"))
+WIDEN_SCALED_ASM = tl.constexpr(_WIDEN_ASM.format(mul="$3"))
+
+
+@triton.jit
+def e4m3_to_bf16(w):
+    """float8e4nv -> bfloat16, exact, four values per 32-bit word: each byte moved to the top of a 16-bit
+    lane, exponent and mantissa shifted into bf16's fields (the e4m3 exponent lands 120 too low, the
+    sign stays), then one bf16x2 multiply by 2^120 (which also makes e4m3 subnormals normal)."""
+    return tl.inline_asm_elementwise(asm=WIDEN_ASM, constraints="=r,=r,r", args=[w.to(tl.uint8, bitcast=True)],
+                                     dtype=tl.bfloat16, is_pure=True, pack=4)
+
+
+@triton.jit
+def e4m3_to_bf16_scaled(w, scale):
+    """float8e4nv ``q`` -> bfloat16 ``q · bf16(scale)`` rounded once (the product is exact in fp32, so this
+    equals that product rounded to bf16): ``e4m3_to_bf16``'s integer moves, then one bf16x2 multiply by
+    bf16(scale · 2^120) instead of 2^120. ``scale``: fp32 scalar, below 2^8 (a block's amax < 114688)."""
+    folded = (scale * 1.329227995784916e36).to(tl.bfloat16).to(tl.uint16, bitcast=True).to(tl.uint32)  # 2^120
+    pair = tl.broadcast_to(folded | (folded << 16), w.shape)  # the bf16x2 multiplier in every lane
+    return tl.inline_asm_elementwise(asm=WIDEN_SCALED_ASM, constraints="=r,=r,r,r,r,r,r",
+                                     args=[w.to(tl.uint8, bitcast=True), pair], dtype=tl.bfloat16, is_pure=True, pack=4)
+
+
+@triton.jit
+def bf16_rounded(v):
+    """fp32 ``v`` rounded to the nearest bfloat16 (ties to even), kept in fp32; finite values only."""
+    bits = v.to(tl.uint32, bitcast=True)
+    return ((bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -153,8 +178,9 @@ def fp8_row_scales(s_ptr, rows, stride_sn, GROUP_N: tl.constexpr):
 @triton.jit
 def _dot_tile(acc, w_ptrs, x_ptrs, s_ptr, rows, row_blk, k0, K, offs_k, stride_sn, stride_sk,
               GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, K_SCALED: tl.constexpr, ROWS_SHARE: tl.constexpr,
-              EVEN_K: tl.constexpr, FAST_BF16: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """acc [BN, BM] += W[rows, k0 : k0 + SUB_K] · x[:, same]^T times the tile's block scale."""
+              EVEN_K: tl.constexpr, FAST_BF16: tl.constexpr, DOT_PRECISION: tl.constexpr, SCALE_W: tl.constexpr):
+    """acc [BN, BM] += W[rows, k0 : k0 + SUB_K] · x[:, same]^T times the tile's block scale. SCALE_W (block
+    scales shared by the tile's rows): the scale multiplies the widened weights, rounded to x's dtype."""
     if EVEN_K:
         w = tl.load(w_ptrs + k0, eviction_policy="evict_first")
         x = tl.load(x_ptrs + k0)
@@ -162,6 +188,17 @@ def _dot_tile(acc, w_ptrs, x_ptrs, s_ptr, rows, row_blk, k0, K, offs_k, stride_s
         k_ok = offs_k < K - k0
         w = tl.load(w_ptrs + k0, mask=k_ok[None, :], other=0.0, eviction_policy="evict_first")
         x = tl.load(x_ptrs + k0, mask=k_ok[None, :], other=0.0)
+    if SCALE_W:  # the block scale on the widened tile: the dots chain on one accumulator, no wait per tile
+        s = tl.load(s_ptr + row_blk * stride_sn + (tl.minimum(k0, K - 1) // GROUP_K) * stride_sk)
+        if FAST_BF16:
+            wd = e4m3_to_bf16_scaled(w, s)
+        elif x.dtype == tl.bfloat16:  # the PTX's rounding (q · bf16(s) is exact in fp32); an fp32 dot of the same
+            # values: the interpreter's bf16 dot is wrong and its casts truncate (Triton 3.9)
+            wd = bf16_rounded(w.to(tl.float32) * bf16_rounded(s))
+            return tl.dot(wd, tl.trans(x.to(tl.float32)), acc, input_precision="ieee")
+        else:
+            wd = (w.to(x.dtype) * s).to(x.dtype)
+        return tl.dot(wd, tl.trans(x), acc, input_precision=DOT_PRECISION)
     wd = e4m3_to_bf16(w) if FAST_BF16 else w.to(x.dtype)  # exact either way
     part = tl.dot(wd, tl.trans(x), input_precision=DOT_PRECISION)  # [BN, BM] fp32
     if K_SCALED:
@@ -180,7 +217,8 @@ def _fp8_skinny_kernel(
     GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, K_SCALED: tl.constexpr, ROWS_SHARE: tl.constexpr,
     HAS_BIAS: tl.constexpr, USE_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr, EVEN_K: tl.constexpr,
     K_TILES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NSUB: tl.constexpr,
-    SUB_K: tl.constexpr, FAST_BF16: tl.constexpr, UNROLL: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr,
+    SUB_K: tl.constexpr, FAST_BF16: tl.constexpr, UNROLL: tl.constexpr, SCALE_W: tl.constexpr, PDL: tl.constexpr,
+    PREFETCH: tl.constexpr,
 ):  # fmt: skip
     """Grid (N tiles, M tiles, split_k): program (n, m, s) computes out tile (m, n) over K tiles
     [s · K_TILES, (s + 1) · K_TILES) of NSUB · SUB_K columns. part_ptr: [split_k, M, N] fp32;
@@ -205,11 +243,13 @@ def _fp8_skinny_kernel(
         if UNROLL:  # straight-line tiles: the compiler may issue later tiles' loads before the first dot
             for kt in tl.static_range(K_TILES):
                 acc = _dot_tile(acc, w_ptrs, x_ptrs, s_ptr, rows, row_blk, k_lo + kt * SUB_K, K, offs_k, stride_sn,
-                                stride_sk, GROUP_N, GROUP_K, K_SCALED, ROWS_SHARE, EVEN_K, FAST_BF16, DOT_PRECISION)
+                                stride_sk, GROUP_N, GROUP_K, K_SCALED, ROWS_SHARE, EVEN_K, FAST_BF16, DOT_PRECISION,
+                                SCALE_W)
         else:  # a loop the software pipeliner stages through shared memory (num_stages)
             for kt in range(K_TILES):
                 acc = _dot_tile(acc, w_ptrs, x_ptrs, s_ptr, rows, row_blk, k_lo + kt * SUB_K, K, offs_k, stride_sn,
-                                stride_sk, GROUP_N, GROUP_K, K_SCALED, ROWS_SHARE, EVEN_K, FAST_BF16, DOT_PRECISION)
+                                stride_sk, GROUP_N, GROUP_K, K_SCALED, ROWS_SHARE, EVEN_K, FAST_BF16, DOT_PRECISION,
+                                SCALE_W)
     else:  # one row
         sub = tl.arange(0, NSUB)
         kk = tl.arange(0, SUB_K)
@@ -276,7 +316,7 @@ def decode_config(m: int, n: int, k: int, block_n: int, block_k: int, device: to
     k_tiles = cdiv(k_blocks, max(1, min(split, k_blocks)))
     return dict(USE_DOT=use_dot, BLOCK_M=bm, BLOCK_N=bn, NSUB=nsub, SUB_K=sub_k, K_SCALED=scaled,
                 K_TILES=k_tiles, split_k=cdiv(k_blocks, k_tiles), fast_bf16=cfg["fast_bf16"],
-                unroll=bool(use_dot and cfg["dot_unroll"]),
+                unroll=bool(use_dot and cfg["dot_unroll"]), scale_w=bool(use_dot and cfg["dot_scale_w"]),
                 num_warps=cfg["dot_num_warps"] if use_dot else cfg["num_warps"],
                 num_stages=cfg["dot_num_stages"] if use_dot and on_gpu(device) else 1)
 
@@ -308,6 +348,7 @@ def fp8_skinny_gemm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, 
         BLOCK_N=cfg["BLOCK_N"], NSUB=cfg["NSUB"], SUB_K=cfg["SUB_K"],
         FAST_BF16=cfg.get("fast_bf16", True) and x.dtype == torch.bfloat16 and on_gpu(x.device),
         UNROLL=cfg.get("unroll", False),
+        SCALE_W=cfg.get("scale_w", False) and cfg["K_SCALED"] and block_n % cfg["BLOCK_N"] == 0,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl_options(x.device, prefetch="weights"),
     )  # fmt: skip
     return out
