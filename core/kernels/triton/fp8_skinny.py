@@ -38,6 +38,7 @@ from armillary.kernels.triton.skinny_gemm import _sm_count
 from armillary.kernels.triton.split_k import split_k_epilogue
 
 DECODE_MAX_ROWS = 64  # up to this many rows stream W with unquantized activations
+TWO_POW_120 = tl.constexpr(2.0 ** 120)  # e4m3_to_bf16_scaled's multiplier fold
 WIDE_FOLD = tl.constexpr(2.0 ** 60)  # e4m3_to_f32_folded's 2^-120, paid back half on x, half on the sums
 TUNING_PACKAGE = "armillary.kernels"
 KERNEL = "fp8_skinny"
@@ -108,7 +109,7 @@ def e4m3_to_bf16_scaled(w, scale):
     """float8e4nv ``q`` -> bfloat16 ``q · bf16(scale)`` rounded once (the product is exact in fp32, so this
     equals that product rounded to bf16): ``e4m3_to_bf16``'s integer moves, then one bf16x2 multiply by
     bf16(scale · 2^120) instead of 2^120. ``scale``: fp32 scalar, below 2^8 (a block's amax < 114688)."""
-    folded = (scale * 1.329227995784916e36).to(tl.bfloat16).to(tl.uint16, bitcast=True).to(tl.uint32)  # 2^120
+    folded = (scale * TWO_POW_120).to(tl.bfloat16).to(tl.uint16, bitcast=True).to(tl.uint32)
     pair = tl.broadcast_to(folded | (folded << 16), w.shape)  # the bf16x2 multiplier in every lane
     return tl.inline_asm_elementwise(asm=WIDEN_SCALED_ASM, constraints="=r,=r,r,r,r,r,r",
                                      args=[w.to(tl.uint8, bitcast=True), pair], dtype=tl.bfloat16, is_pure=True, pack=4)
@@ -188,8 +189,9 @@ def _dot_tile(acc, w_ptrs, x_ptrs, s_ptr, rows, row_blk, k0, K, offs_k, stride_s
         k_ok = offs_k < K - k0
         w = tl.load(w_ptrs + k0, mask=k_ok[None, :], other=0.0, eviction_policy="evict_first")
         x = tl.load(x_ptrs + k0, mask=k_ok[None, :], other=0.0)
+    kcol = tl.minimum(k0, K - 1) // GROUP_K  # the tile's scale column; clamped: a tile past K multiplies zeros
     if SCALE_W:  # the block scale on the widened tile: the dots chain on one accumulator, no wait per tile
-        s = tl.load(s_ptr + row_blk * stride_sn + (tl.minimum(k0, K - 1) // GROUP_K) * stride_sk)
+        s = tl.load(s_ptr + row_blk * stride_sn + kcol * stride_sk)
         if FAST_BF16:
             wd = e4m3_to_bf16_scaled(w, s)
         elif x.dtype == tl.bfloat16:  # the PTX's rounding (q · bf16(s) is exact in fp32); an fp32 dot of the same
@@ -202,7 +204,6 @@ def _dot_tile(acc, w_ptrs, x_ptrs, s_ptr, rows, row_blk, k0, K, offs_k, stride_s
     wd = e4m3_to_bf16(w) if FAST_BF16 else w.to(x.dtype)  # exact either way
     part = tl.dot(wd, tl.trans(x), input_precision=DOT_PRECISION)  # [BN, BM] fp32
     if K_SCALED:
-        kcol = tl.minimum(k0, K - 1) // GROUP_K  # clamped: a tile past K multiplies zeros
         if ROWS_SHARE:
             return acc + part * tl.load(s_ptr + row_blk * stride_sn + kcol * stride_sk)
         s = tl.load(s_ptr + (rows // GROUP_N) * stride_sn + kcol * stride_sk)
@@ -337,18 +338,19 @@ def fp8_skinny_gemm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, 
     tickets = ticket_buffer(x.device, tiles)  # untouched without a split
     part = torch.empty(split if split > 1 else 1, m, n if split > 1 else 1, dtype=torch.float32, device=x.device)
     grid = (cdiv(n, cfg["BLOCK_N"]), cdiv(m, cfg["BLOCK_M"]), split)
+    rows_share = block_n % cfg["BLOCK_N"] == 0  # one scale row for a whole tile
     _fp8_skinny_kernel[grid](
         x, weight, scale, bias if bias is not None else out, out, part, tickets,
         m, n, k, x.stride(0), weight.stride(0), out.stride(0), scale.stride(0),
         scale.stride(1) if scale.shape[1] > 1 else 0, split,
         GROUP_N=block_n, GROUP_K=block_k if cfg["K_SCALED"] else 1 << 30, K_SCALED=cfg["K_SCALED"],
-        ROWS_SHARE=block_n % cfg["BLOCK_N"] == 0, HAS_BIAS=bias is not None, USE_DOT=cfg["USE_DOT"],
+        ROWS_SHARE=rows_share, HAS_BIAS=bias is not None, USE_DOT=cfg["USE_DOT"],
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         EVEN_K=k % (width * cfg["K_TILES"]) == 0, K_TILES=cfg["K_TILES"], BLOCK_M=cfg["BLOCK_M"],
         BLOCK_N=cfg["BLOCK_N"], NSUB=cfg["NSUB"], SUB_K=cfg["SUB_K"],
         FAST_BF16=cfg.get("fast_bf16", True) and x.dtype == torch.bfloat16 and on_gpu(x.device),
         UNROLL=cfg.get("unroll", False),
-        SCALE_W=cfg.get("scale_w", False) and cfg["K_SCALED"] and block_n % cfg["BLOCK_N"] == 0,
+        SCALE_W=cfg.get("scale_w", False) and cfg["K_SCALED"] and rows_share,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl_options(x.device, prefetch="weights"),
     )  # fmt: skip
     return out
