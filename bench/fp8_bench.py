@@ -120,11 +120,14 @@ def engine(path: Path, args, **kw) -> Ours:
     return Ours(path, args.device, max_len=max_len, max_seqs=max_seqs, eager=eager, **base)
 
 
-def free(ours: Ours | None) -> None:
-    del ours
+def free(ours: Ours) -> None:
+    """The engine's weights, caches and graphs given back, so the next engine fits (the caller's name for it is
+    still bound: without ``shutdown`` the old engine held the GPU while the next one loaded)."""
+    ours.llm.shutdown()
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
+        print(f"engine freed: {torch.cuda.memory_allocated() / 2**30:.2f} GiB still allocated", flush=True)
 
 
 def fp8_kv_layer_count(ours: Ours) -> int:
