@@ -196,7 +196,6 @@ def phase_logits(path: Path, args, s: int) -> None:
     fast_t = list(ours.llm.generate([prompt], greedy)[0].outputs[0].token_ids)
     fast_l = torch.stack(rec.rows[-steps:]).float().cpu()  # [steps, V]: the rows that chose each token
     rec.close()
-    del rec  # it holds the model
     free(ours)
     ours = engine(path, args, max_len=1024, max_seqs=1, eager=True, kernel_backend="reference",
                   enable_prefix_caching=True)
@@ -205,11 +204,9 @@ def phase_logits(path: Path, args, s: int) -> None:
     ref_rows = []
     for i in range(steps):
         ours.llm.generate([prompt + fast_t[:i]], one)
-        ref_rows.append(rec.rows[-1].float().cpu())
-        rec.rows.clear()
+        ref_rows.append(rec.take()[-1].float().cpu())  # the row that predicts token i
     ref_l = torch.stack(ref_rows)
     rec.close()
-    del rec
     free(ours)
     err = (fast_l - ref_l).norm(dim=-1) / ref_l.norm(dim=-1)  # [steps]
     top2 = ref_l.topk(2, dim=-1).values

@@ -53,3 +53,4 @@ def test_logits_recorder_keeps_every_row_and_restores_the_model():
     assert rows.shape == (3, 3) and torch.equal(rows[0], torch.full((3,), 2.0)) and rec.rows == []
     rec.close()
     assert head.compute_logits.__func__ is Head.compute_logits
+    assert rec.model is None and rec.inner is None  # nothing keeps the model alive through the recorder

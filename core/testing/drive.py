@@ -102,7 +102,9 @@ class LogitsRecorder:
         return rows
 
     def close(self) -> None:
+        """The model's own ``compute_logits`` back; the recorder lets go of the model (its rows stay)."""
         del self.model.compute_logits
+        self.model = self.inner = None  # a recorder kept after close must not keep the weights alive
 
 
 def run_staggered(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams,
