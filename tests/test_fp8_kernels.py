@@ -290,3 +290,27 @@ def test_e4m3_to_f32_folded_is_exact():
     _fold_kernel[(1,)](codes.view(torch.float8_e4m3fn), out, codes.numel(), BLOCK=256)
     want = codes.view(torch.float8_e4m3fn).float() * 2.0 ** -120
     assert torch.equal(out.view(torch.int32), want.view(torch.int32))
+
+
+@pytest.mark.parametrize("n,k,block,width,split", [(45, 128, (16, 32), 32, 1), (37, 200, (128, 128), 128, 2),
+                                                   (33, 64, (1, 64), 16, 1)])
+def test_fp8_skinny_preload_equals_the_tile_loop(monkeypatch, n, k, block, width, split):
+    """``preload`` (one row: a program's K tiles loaded as one tile before the PDL wait) gives the tile loop's sums,
+    across split K, a part tile past K and per-channel scales; a width that would not be a power of two stays off."""
+    from armillary.kernels.triton import fp8_skinny
+
+    torch.manual_seed(8)
+    wq, s = ref.quantize_blocks(torch.randn(n, k), *block)
+    x = torch.randn(1, k)
+    base = {**fp8_skinny.DEFAULTS, "BLOCK_N": 8, "BLOCK_K": width, "split_k": split}
+    monkeypatch.setattr(fp8_skinny, "lookup_config", lambda *a, **kw: dict(base))
+    loop = fp8_skinny.fp8_skinny_gemm(x, wq, s, *block)
+    base["preload"] = True
+    cfg = fp8_skinny.decode_config(1, n, k, *block, torch.device("cpu"))
+    assert cfg["preload"] and cfg["K_TILES"] == 1
+    pre = fp8_skinny.fp8_skinny_gemm(x, wq, s, *block)
+    assert _ratio(pre, loop) < 1e-6
+    assert _ratio(pre, ref.linear(x, wq, s, *block, None)) < 1e-5
+    base.update(BLOCK_K=32, split_k=1)
+    odd = fp8_skinny.decode_config(1, 16, 96, 16, 32, torch.device("cpu"))  # three 32-wide tiles: not a power of two
+    assert not odd["preload"] and odd["K_TILES"] == 3

@@ -47,7 +47,8 @@ KERNEL = "fp8_skinny"
 # split_k 0: enough splits for target_waves programs per SM, each keeping >= (dot_)min_split_cols
 # columns of K; fast_bf16: the integer e4m3 -> bf16 widening (False: Triton's cast, for comparison);
 # dot_unroll: the multi-row tiles as straight-line code instead of a pipelined loop (num_stages unused);
-# dot_scale_w: block scales (rounded to bf16 for bf16 x) on the widened weight tiles, not on each tile's product.
+# dot_scale_w: block scales (rounded to bf16 for bf16 x) on the widened weight tiles, not on each tile's product;
+# preload (optional key, one row): a program's whole weight tile loaded into registers before the PDL wait.
 DEFAULTS = {
     "BLOCK_N": 16, "BLOCK_K": 512, "num_warps": 4, "DOT_BLOCK_N": 0, "DOT_BLOCK_K": 128, "dot_num_warps": 4,
     "dot_num_stages": 4, "split_k": 0, "target_waves": 2, "min_split_cols": 1024, "dot_min_split_cols": 512,
@@ -151,13 +152,27 @@ def fp8_row_products(w_ptr, s_ptr, x, rows, row_blk, k0, K, stride_wn, stride_sn
     the caller scales each row's sum). x: [NSUB, SUB_K] fp32. ROWS_SHARE: all rows lie in scale row
     ``row_blk`` (NSUB scales per tile); else one per row and sub-tile. Every product rounds as
     ``q · (x · s)`` would (the powers of two are exact) unless it falls below 2^-66."""
-    sub = tl.arange(0, NSUB)
-    koff = k0 + sub[:, None] * SUB_K + tl.arange(0, SUB_K)[None, :]  # [NSUB, SUB_K]
+    w = fp8_w_tile(w_ptr, rows, k0, K, stride_wn, NSUB, SUB_K, EVEN_K)
+    return fp8_tile_products(w, s_ptr, x, rows, row_blk, k0, K, stride_sn, stride_sk, GROUP_N, GROUP_K, K_SCALED,
+                             ROWS_SHARE, NSUB, SUB_K)
+
+
+@triton.jit
+def fp8_w_tile(w_ptr, rows, k0, K, stride_wn, NSUB: tl.constexpr, SUB_K: tl.constexpr, EVEN_K: tl.constexpr):
+    """The fp8 weight tile W[rows, k0 : k0 + NSUB·SUB_K] as [BN, NSUB, SUB_K] (zeros past K unless EVEN_K)."""
+    koff = k0 + tl.arange(0, NSUB)[:, None] * SUB_K + tl.arange(0, SUB_K)[None, :]  # [NSUB, SUB_K]
     ptrs = w_ptr + rows[:, None, None].to(tl.int64) * stride_wn + koff[None, :, :]
     if EVEN_K:
-        w = tl.load(ptrs, eviction_policy="evict_first")
-    else:
-        w = tl.load(ptrs, mask=(koff < K)[None, :, :], other=0.0, eviction_policy="evict_first")
+        return tl.load(ptrs, eviction_policy="evict_first")
+    return tl.load(ptrs, mask=(koff < K)[None, :, :], other=0.0, eviction_policy="evict_first")
+
+
+@triton.jit
+def fp8_tile_products(w, s_ptr, x, rows, row_blk, k0, K, stride_sn, stride_sk, GROUP_N: tl.constexpr,
+                      GROUP_K: tl.constexpr, K_SCALED: tl.constexpr, ROWS_SHARE: tl.constexpr, NSUB: tl.constexpr,
+                      SUB_K: tl.constexpr):
+    """``fp8_row_products`` of an already loaded tile ``w`` [BN, NSUB, SUB_K] (``fp8_w_tile``'s)."""
+    sub = tl.arange(0, NSUB)
     wf = e4m3_to_f32_folded(w)  # q · 2^-120
     xf = x * WIDE_FOLD  # 2^60 here, 2^60 on the caller's sums
     if K_SCALED:
@@ -219,7 +234,7 @@ def _fp8_skinny_kernel(
     HAS_BIAS: tl.constexpr, USE_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr, EVEN_K: tl.constexpr,
     K_TILES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NSUB: tl.constexpr,
     SUB_K: tl.constexpr, FAST_BF16: tl.constexpr, UNROLL: tl.constexpr, SCALE_W: tl.constexpr, PDL: tl.constexpr,
-    PREFETCH: tl.constexpr,
+    PREFETCH: tl.constexpr, PRELOAD: tl.constexpr,
 ):  # fmt: skip
     """Grid (N tiles, M tiles, split_k): program (n, m, s) computes out tile (m, n) over K tiles
     [s · K_TILES, (s + 1) · K_TILES) of NSUB · SUB_K columns. part_ptr: [split_k, M, N] fp32;
@@ -235,6 +250,8 @@ def _fp8_skinny_kernel(
     k_lo = pid_k * (K_TILES * NSUB * SUB_K)
     if PREFETCH:  # the weights are not the previous kernel's: ask for them before waiting
         prefetch_rows_l2(w_ptr, rows, stride_wn, k_lo, tl.minimum(k_lo + K_TILES * NSUB * SUB_K, K), NSUB * SUB_K)
+    if PRELOAD:  # one row, K_TILES 1: the program's whole weight tile in registers while the previous kernel ends
+        w_pre = fp8_w_tile(w_ptr, rows, k_lo, K, stride_wn, NSUB, SUB_K, EVEN_K)
     pdl_wait(PDL)
     if USE_DOT:  # NSUB == 1: one scale per tile
         offs_k = tl.arange(0, SUB_K)
@@ -256,12 +273,17 @@ def _fp8_skinny_kernel(
         kk = tl.arange(0, SUB_K)
         wide = tl.zeros([BLOCK_N, NSUB, SUB_K], dtype=tl.float32)
         x_row = x_ptr + pid_m.to(tl.int64) * stride_xm
-        for kt in tl.static_range(K_TILES):
-            k0 = k_lo + kt * NSUB * SUB_K
-            koff = k0 + sub[:, None] * SUB_K + kk[None, :]  # [NSUB, SUB_K]
-            x = fp8_x_tile(x_row, koff, K, EVEN_K)
-            wide += fp8_row_products(w_ptr, s_ptr, x, rows, row_blk, k0, K, stride_wn, stride_sn, stride_sk,
-                                     GROUP_N, GROUP_K, K_SCALED, ROWS_SHARE, NSUB, SUB_K, EVEN_K)
+        if PRELOAD:
+            x = fp8_x_tile(x_row, k_lo + sub[:, None] * SUB_K + kk[None, :], K, EVEN_K)
+            wide = fp8_tile_products(w_pre, s_ptr, x, rows, row_blk, k_lo, K, stride_sn, stride_sk, GROUP_N, GROUP_K,
+                                     K_SCALED, ROWS_SHARE, NSUB, SUB_K)
+        else:
+            for kt in tl.static_range(K_TILES):
+                k0 = k_lo + kt * NSUB * SUB_K
+                koff = k0 + sub[:, None] * SUB_K + kk[None, :]  # [NSUB, SUB_K]
+                x = fp8_x_tile(x_row, koff, K, EVEN_K)
+                wide += fp8_row_products(w_ptr, s_ptr, x, rows, row_blk, k0, K, stride_wn, stride_sn, stride_sk,
+                                         GROUP_N, GROUP_K, K_SCALED, ROWS_SHARE, NSUB, SUB_K, EVEN_K)
         acc = tl.sum(tl.sum(wide, axis=2), axis=1)[:, None] * WIDE_FOLD  # [BN, 1]
     if not K_SCALED:
         acc = acc * fp8_row_scales(s_ptr, rows, stride_sn, GROUP_N)[:, None]
@@ -315,8 +337,13 @@ def decode_config(m: int, n: int, k: int, block_n: int, block_k: int, device: to
         while tiles * split < want and split * 2 * per_split <= k_blocks:
             split *= 2
     k_tiles = cdiv(k_blocks, max(1, min(split, k_blocks)))
-    return dict(USE_DOT=use_dot, BLOCK_M=bm, BLOCK_N=bn, NSUB=nsub, SUB_K=sub_k, K_SCALED=scaled,
-                K_TILES=k_tiles, split_k=cdiv(k_blocks, k_tiles), fast_bf16=cfg["fast_bf16"],
+    split = cdiv(k_blocks, k_tiles)
+    # preload (one row): a program's K tiles as one tile, loaded before the PDL wait (a power of two wide)
+    preload = bool(not use_dot and cfg.get("preload", False) and (nsub * k_tiles) & (nsub * k_tiles - 1) == 0)
+    if preload:
+        nsub, k_tiles = nsub * k_tiles, 1
+    return dict(USE_DOT=use_dot, BLOCK_M=bm, BLOCK_N=bn, NSUB=nsub, SUB_K=sub_k, K_SCALED=scaled, preload=preload,
+                K_TILES=k_tiles, split_k=split, fast_bf16=cfg["fast_bf16"],
                 unroll=bool(use_dot and cfg["dot_unroll"]), scale_w=bool(use_dot and cfg["dot_scale_w"]),
                 num_warps=cfg["dot_num_warps"] if use_dot else cfg["num_warps"],
                 num_stages=cfg["dot_num_stages"] if use_dot and on_gpu(device) else 1)
@@ -349,7 +376,7 @@ def fp8_skinny_gemm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, 
         EVEN_K=k % (width * cfg["K_TILES"]) == 0, K_TILES=cfg["K_TILES"], BLOCK_M=cfg["BLOCK_M"],
         BLOCK_N=cfg["BLOCK_N"], NSUB=cfg["NSUB"], SUB_K=cfg["SUB_K"],
         FAST_BF16=cfg.get("fast_bf16", True) and x.dtype == torch.bfloat16 and on_gpu(x.device),
-        UNROLL=cfg.get("unroll", False),
+        UNROLL=cfg.get("unroll", False), PRELOAD=cfg.get("preload", False) and not cfg["USE_DOT"] and cfg["K_TILES"] == 1,
         SCALE_W=cfg.get("scale_w", False) and cfg["K_SCALED"] and rows_share,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl_options(x.device, prefetch="weights"),
     )  # fmt: skip
