@@ -311,6 +311,8 @@ def test_fp8_skinny_preload_equals_the_tile_loop(monkeypatch, n, k, block, width
     pre = fp8_skinny.fp8_skinny_gemm(x, wq, s, *block)
     assert _ratio(pre, loop) < 1e-6
     assert _ratio(pre, ref.linear(x, wq, s, *block, None)) < 1e-5
+    with pytest.raises(ValueError, match="inconsistent"):  # a preload of several K tiles is refused, not run
+        fp8_skinny.fp8_skinny_gemm(x, wq, s, *block, config={"preload": True, "K_TILES": 2, "NSUB": 1})
     base.update(BLOCK_K=32, split_k=1)
     odd = fp8_skinny.decode_config(1, 16, 96, 16, 32, torch.device("cpu"))  # three 32-wide tiles: not a power of two
     assert not odd["preload"] and odd["K_TILES"] == 3

@@ -356,7 +356,8 @@ def fp8_skinny_gemm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, 
     m, k = x.shape
     n = weight.shape[0]
     cfg = {**decode_config(m, n, k, block_n, block_k, x.device), **(config or {})}
-    if cfg["USE_DOT"] != (cfg["BLOCK_M"] > 1) or (cfg["USE_DOT"] and cfg["NSUB"] != 1):
+    if cfg["USE_DOT"] != (cfg["BLOCK_M"] > 1) or (cfg["USE_DOT"] and cfg["NSUB"] != 1) or \
+            (cfg.get("preload", False) and (cfg["USE_DOT"] or cfg["K_TILES"] != 1)):
         raise ValueError(f"fp8_skinny_gemm: inconsistent config {cfg}")
     width = cfg["NSUB"] * cfg["SUB_K"]
     split = cfg["split_k"]
@@ -376,7 +377,7 @@ def fp8_skinny_gemm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, 
         EVEN_K=k % (width * cfg["K_TILES"]) == 0, K_TILES=cfg["K_TILES"], BLOCK_M=cfg["BLOCK_M"],
         BLOCK_N=cfg["BLOCK_N"], NSUB=cfg["NSUB"], SUB_K=cfg["SUB_K"],
         FAST_BF16=cfg.get("fast_bf16", True) and x.dtype == torch.bfloat16 and on_gpu(x.device),
-        UNROLL=cfg.get("unroll", False), PRELOAD=cfg.get("preload", False) and not cfg["USE_DOT"] and cfg["K_TILES"] == 1,
+        UNROLL=cfg.get("unroll", False), PRELOAD=cfg.get("preload", False),
         SCALE_W=cfg.get("scale_w", False) and cfg["K_SCALED"] and rows_share,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl_options(x.device, prefetch="weights"),
     )  # fmt: skip
