@@ -48,6 +48,36 @@ def test_skinny_entry_changes_the_launch_and_stays_correct(monkeypatch, m, entry
         assert _ratio(fp4_gemv.fp4_skinny_gemm(x, packed, scale, g), want) < 1e-5
 
 
+
+@pytest.mark.parametrize("entry,split", [({"BLOCK_N": 4, "BLOCK_K": 16, "split_k": 5}, 5),  # 2 tiles a split
+                                         ({"BLOCK_N": 8, "BLOCK_K": 16, "split_k": 3}, 3),  # 4, the last past K
+                                         ({"BLOCK_N": 4, "BLOCK_K": 32, "split_k": 5}, 5)])  # 1 already
+def test_skinny_preload_merges_the_k_tiles_and_stays_correct(monkeypatch, entry, split):
+    """``preload`` (one row): a program's K tiles become one tile, loaded before the PDL wait; sums as the
+    reference across split K, a tile past K and clamped rows; several rows keep their own path."""
+    n, k = 63, 160
+    torch.manual_seed(split)
+    packed, scale, g = ref.quantize_nvfp4(torch.randn(n, k))
+    g = ref.row_global_scale(g, n)
+    x = torch.randn(1, k)
+    _set_table(monkeypatch, {"fp4_skinny": {fp4_gemv.config_key(1, n, k): entry}})
+    loop = fp4_gemv.decode_config(1, n, k, CPU)
+    _set_table(monkeypatch, {"fp4_skinny": {fp4_gemv.config_key(1, n, k): {**entry, "preload": True}}})
+    cfg = fp4_gemv.decode_config(1, n, k, CPU)
+    assert cfg["preload"] and cfg["K_TILES"] == 1 and cfg["split_k"] == loop["split_k"] == split
+    assert cfg["BLOCK_K"] == loop["BLOCK_K"] * loop["K_TILES"]
+    want = ref.linear(x, packed, scale, g, None)
+    for _ in range(2):
+        assert _ratio(fp4_gemv.fp4_skinny_gemm(x, packed, scale, g), want) < 1e-5
+    with pytest.raises(ValueError, match="inconsistent"):  # a preload over several K tiles is refused, not run
+        fp4_gemv.fp4_skinny_gemm(x, packed, scale, g, config={"preload": True, "K_TILES": 2})
+    _set_table(monkeypatch, {"fp4_skinny": {fp4_gemv.config_key(3, n, k): {**entry, "preload": True}}})
+    assert not fp4_gemv.decode_config(3, n, k, CPU)["preload"]
+    _set_table(monkeypatch, {"fp4_skinny": {fp4_gemv.config_key(1, n, k): {"BLOCK_K": 32, "split_k": 1,
+                                                                            "preload": True}}})
+    odd = fp4_gemv.decode_config(1, n, k, CPU)  # five tiles: not a power of two wide, so the loop stays
+    assert not odd["preload"] and odd["K_TILES"] == 5
+
 def _moe(tokens: int, seed: int = 0, routed: int = 5, top_k: int = 1, h: int = 80, inter: int = 48):
     """NVFP4 experts (``routed`` + the shared one as the last id) and Qwen's routing layout."""
     g = torch.Generator().manual_seed(seed)

@@ -16,7 +16,7 @@ INTS = {k: "i32" for k in ("M", "N", "K", "stride_xm", "stride_wn", "stride_om",
 def test_skinny_gemm_prefetches_between_launch_and_wait_on_sm90(prefetch, use_dot):
     consts = {"HAS_BIAS": False, "USE_DOT": use_dot, "DOT_PRECISION": "tf32", "EVEN_K": True,
               "BLOCK_M": 16 if use_dot else 1, "BLOCK_N": 64 if use_dot else 8, "BLOCK_K": 128 if use_dot else 256,
-              "PDL": True, "PREFETCH": prefetch}
+              "PDL": True, "PREFETCH": prefetch, "PRELOAD": False}
     ptx = kernel_ptx("armillary.kernels.triton.skinny_gemm", "_skinny_gemm_kernel",
                      {**PTRS, **INTS, **{k: "constexpr" for k in consts}}, consts)
     assert_prefetch_before_wait(ptx, prefetch)

@@ -80,6 +80,22 @@ def test_split_k_uneven_blocks_and_into_out():
     assert launch["split_k"] == 6 and launch["BLOCK_K"] == 32  # fp32 tiles halve the 2-byte depth
 
 
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("n,k,split", [(257, 60, 1), (67, 2000, 1), (67, 2000, 3), (257, 256, 2)])
+def test_preload_one_row_matches_the_reference(n, k, split, dtype):
+    """``preload``: one K block a program (BLOCK_K widened to the split's range, a part block past K), its weight
+    tile loaded before the PDL wait; same sums as the reference, split tickets back at zero."""
+    x, w, b = make(1, n, k, dtype, bias=True)
+    cfg = {**FMA, "split_k": split, "preload": True}
+    launch = sg._launch_shape({**sg.DEFAULTS, **cfg}, 1, n, k, x.element_size(), x.device)
+    assert launch["PRELOAD"] and launch["blocks_per_split"] == 1
+    assert launch["BLOCK_K"] * launch["split_k"] >= k > launch["BLOCK_K"] * (launch["split_k"] - 1)
+    assert rel_err(sg.skinny_gemm(x, w, b, config=cfg), sg.skinny_reference(x, w, b)) < TOL[dtype]
+    assert tickets_clear()
+    several = sg._launch_shape({**sg.DEFAULTS, **cfg}, 3, n, k, x.element_size(), x.device)
+    assert not several["PRELOAD"]  # a few rows keep their loop
+
 @pytest.mark.parametrize("cfg", [FMA, DOT], ids=["fma", "dot"])
 def test_row_strided_x_and_weight(cfg):
     """Column slices of wider matrices (x from a fused projection, W a block of a stacked weight)."""

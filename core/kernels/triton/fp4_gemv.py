@@ -89,18 +89,31 @@ def word_products(w, x_ptr, k0, K, EVEN_K: tl.constexpr, KW: tl.constexpr):
     return p
 
 
+@triton.jit
+def _word_tile(w_ptr, s_ptr, rows, k0, K, stride_wn, stride_sn, EVEN_K: tl.constexpr, KW: tl.constexpr):
+    """One row-path tile from column k0: int32 weight words [BN, KW] and each word's e4m3 group scale [BN, KW]."""
+    offs_w = tl.arange(0, KW)
+    w_ptrs = w_ptr + rows[:, None].to(tl.int64) * stride_wn + (k0 // 8 + offs_w)[None, :]
+    s_ptrs = s_ptr + rows[:, None].to(tl.int64) * stride_sn + (k0 // 16 + offs_w // 2)[None, :]  # two words a group
+    if EVEN_K:
+        return tl.load(w_ptrs, eviction_policy="evict_first"), tl.load(s_ptrs)
+    w_ok = (offs_w < (K - k0) // 8)[None, :]
+    return tl.load(w_ptrs, mask=w_ok, other=0, eviction_policy="evict_first"), tl.load(s_ptrs, mask=w_ok, other=0.0)
+
+
 @triton.jit(do_not_specialize=["M", "split_k"])
 def _fp4_skinny_kernel(
     x_ptr, w_ptr, s_ptr, g_ptr, bias_ptr, out_ptr, part_ptr, ticket_ptr,
     M, N, K, stride_xm, stride_wn, stride_sn, stride_om, split_k,
     HAS_BIAS: tl.constexpr, USE_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr, EVEN_K: tl.constexpr,
     K_TILES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
-    PREFETCH: tl.constexpr,
+    PREFETCH: tl.constexpr, PRELOAD: tl.constexpr,
 ):  # fmt: skip
     """Grid (N tiles, M tiles, split_k): program (n, m, s) computes out tile (m, n) over K tiles
     [s · K_TILES, (s + 1) · K_TILES) of BLOCK_K columns. w_ptr: int32 words [N, K / 8] (fma, stride_wn in
     words) or bytes [N, K / 2] (dot, stride_wn in bytes); s_ptr e4m3 [N, K / 16]; g_ptr fp32 [N].
-    part_ptr [split_k, M, N] fp32, ticket_ptr [M tiles · N tiles] int32 (zero between calls)."""
+    part_ptr [split_k, M, N] fp32, ticket_ptr [M tiles · N tiles] int32 (zero between calls). PRELOAD (one row,
+    K_TILES 1): the program's weight words and group scales are loaded before the PDL wait."""
     pdl_launch_dependents(PDL)
     pid_n, pid_m, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -113,6 +126,8 @@ def _fp4_skinny_kernel(
         per: tl.constexpr = 2 if USE_DOT else 8  # columns a weight element (byte / int32 word) holds
         prefetch_rows_l2(w_ptr, rows, stride_wn, k_lo // per, k_hi // per, BLOCK_K // per)
         prefetch_rows_l2(s_ptr, rows, stride_sn, k_lo // 16, k_hi // 16, BLOCK_K // 16)
+    if PRELOAD:  # static weights: in registers while the previous kernel ends
+        w_pre, s_pre = _word_tile(w_ptr, s_ptr, rows, k_lo, K, stride_wn, stride_sn, EVEN_K, BLOCK_K // 8)
     pdl_wait(PDL)
     if USE_DOT:
         KB: tl.constexpr = BLOCK_K // 2
@@ -139,21 +154,15 @@ def _fp4_skinny_kernel(
             acc = tl.dot(hi, tl.trans(x_odd), acc, input_precision=DOT_PRECISION)
     else:  # one row
         KW: tl.constexpr = BLOCK_K // 8
-        offs_w = tl.arange(0, KW)
-        w_ptrs = w_ptr + rows[:, None].to(tl.int64) * stride_wn + offs_w[None, :]  # [BN, KW] int32 words
-        s_ptrs = s_ptr + rows[:, None].to(tl.int64) * stride_sn + (offs_w // 2)[None, :]  # two words a group
         x_row = x_ptr + pid_m.to(tl.int64) * stride_xm
         wide = tl.zeros([BLOCK_N, KW], dtype=tl.float32)
-        for kt in tl.static_range(K_TILES):
-            k0 = k_lo + kt * BLOCK_K
-            if EVEN_K:
-                w = tl.load(w_ptrs + k0 // 8, eviction_policy="evict_first")
-                s = tl.load(s_ptrs + k0 // 16)
-            else:
-                w_ok = offs_w < (K - k0) // 8
-                w = tl.load(w_ptrs + k0 // 8, mask=w_ok[None, :], other=0, eviction_policy="evict_first")
-                s = tl.load(s_ptrs + k0 // 16, mask=w_ok[None, :], other=0.0)
-            wide += word_products(w, x_row, k0, K, EVEN_K, KW) * s.to(tl.float32)
+        if PRELOAD:
+            wide = word_products(w_pre, x_row, k_lo, K, EVEN_K, KW) * s_pre.to(tl.float32)
+        else:
+            for kt in tl.static_range(K_TILES):
+                k0 = k_lo + kt * BLOCK_K
+                w, s = _word_tile(w_ptr, s_ptr, rows, k0, K, stride_wn, stride_sn, EVEN_K, KW)
+                wide += word_products(w, x_row, k0, K, EVEN_K, KW) * s.to(tl.float32)
         acc = tl.sum(wide, axis=1)[:, None] * FOLD  # [BN, 1]: 2^63 paid back
     acc = acc * tl.load(g_ptr + rows)[:, None]  # the row's global scale
 
@@ -224,8 +233,13 @@ def decode_config(m: int, n: int, k: int, device: torch.device) -> dict:
         while tiles * split < want and split * 2 * per_split <= k_blocks:
             split *= 2
     k_tiles = cdiv(k_blocks, max(1, min(split, k_blocks)))
-    return dict(USE_DOT=use_dot, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, K_TILES=k_tiles,
-                split_k=cdiv(k_blocks, k_tiles), num_warps=cfg["dot_num_warps"] if use_dot else cfg["num_warps"],
+    split = cdiv(k_blocks, k_tiles)
+    # preload (one row): a program's K tiles as one tile, loaded before the PDL wait (a power of two wide)
+    preload = bool(not use_dot and cfg.get("preload", False) and k_tiles & (k_tiles - 1) == 0)
+    if preload:
+        bk, k_tiles = bk * k_tiles, 1
+    return dict(USE_DOT=use_dot, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, K_TILES=k_tiles, preload=preload,
+                split_k=split, num_warps=cfg["dot_num_warps"] if use_dot else cfg["num_warps"],
                 num_stages=cfg["dot_num_stages"] if use_dot and on_gpu(device) else 1)
 
 
@@ -244,7 +258,8 @@ def fp4_skinny_gemm(x: torch.Tensor, w_packed: torch.Tensor, w_scale: torch.Tens
     m, k = x.shape
     n = w_packed.shape[0]
     cfg = {**decode_config(m, n, k, x.device), **(config or {})}
-    if cfg["USE_DOT"] != (cfg["BLOCK_M"] > 1):
+    if cfg["USE_DOT"] != (cfg["BLOCK_M"] > 1) or \
+            (cfg.get("preload", False) and (cfg["USE_DOT"] or cfg["K_TILES"] != 1)):
         raise ValueError(f"fp4_skinny_gemm: inconsistent config {cfg}")
     if w_scale.stride(-1) != 1:
         w_scale = w_scale.contiguous()
@@ -263,7 +278,7 @@ def fp4_skinny_gemm(x: torch.Tensor, w_packed: torch.Tensor, w_scale: torch.Tens
         HAS_BIAS=bias is not None, USE_DOT=cfg["USE_DOT"],
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         EVEN_K=k % (cfg["BLOCK_K"] * cfg["K_TILES"]) == 0, K_TILES=cfg["K_TILES"], BLOCK_M=cfg["BLOCK_M"],
-        BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
+        BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], PRELOAD=cfg.get("preload", False),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl_options(x.device, prefetch="weights"),
     )  # fmt: skip
     return out

@@ -31,7 +31,8 @@ TUNING_PACKAGE = "armillary.kernels"
 KERNEL = "skinny_gemm"
 # "use": whether ops.linear picks this kernel over cuBLAS ("auto" backend); "max_rows": the most
 # rows it serves; "path": fma | dot | auto (fma for one row); BLOCK_M 0: the rows, rounded up;
-# split_k 0: enough splits for ``target_waves`` programs per SM. Tables hold 2-byte dtype configs.
+# split_k 0: enough splits for ``target_waves`` programs per SM; "preload" (optional, one row): each program's
+# whole weight tile loaded before the PDL wait (BLOCK_K widened to its K range). Tables hold 2-byte dtype configs.
 DEFAULTS = {
     "use": False, "max_rows": 8, "path": "auto", "BLOCK_M": 0, "BLOCK_N": 16, "BLOCK_K": 256,
     "split_k": 0, "target_waves": 2, "num_warps": 4, "num_stages": 1,
@@ -58,11 +59,13 @@ def _skinny_gemm_kernel(
     M, N, K, stride_xm, stride_wn, stride_om, blocks_per_split, split_k,
     HAS_BIAS: tl.constexpr, USE_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr, EVEN_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr,
+    PRELOAD: tl.constexpr,
 ):  # fmt: skip
     """Grid (N tiles, M tiles, split_k): program (n, m, s) computes out tile (m, n) over K range s.
 
     Split s covers K blocks [s, s + 1) * blocks_per_split; EVEN_K: K is a multiple of BLOCK_K (no K masks).
     part_ptr: [split_k, M, N] fp32 partials; ticket_ptr: [M tiles * N tiles] int32, all 0 between calls.
+    PRELOAD (one row, blocks_per_split 1): the program's weight tile is loaded before the PDL wait.
     """
     pdl_launch_dependents(PDL)
     pid_n = tl.program_id(0)
@@ -77,14 +80,22 @@ def _skinny_gemm_kernel(
     k_hi = tl.minimum(k_lo + blocks_per_split * BLOCK_K, K)
     if PREFETCH:  # the weights are not the previous kernel's: ask for them before waiting
         prefetch_rows_l2(w_ptr, tl.minimum(offs_n, N - 1), stride_wn, k_lo, k_hi, BLOCK_K)
-    pdl_wait(PDL)
     w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]  # [BN, BK]
+    if PRELOAD:  # static weights: in registers while the previous kernel ends
+        if EVEN_K:
+            w_pre = tl.load(w_ptrs + k_lo, mask=n_ok[:, None], other=0.0)
+        else:
+            w_pre = tl.load(w_ptrs + k_lo, mask=n_ok[:, None] & (offs_k < K - k_lo)[None, :], other=0.0)
+    pdl_wait(PDL)
     x_ptrs = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :]  # [BM, BK]
     if USE_DOT:
         acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
         for k0 in range(k_lo, k_hi, BLOCK_K):
             w, x = _load_tiles(w_ptrs + k0, x_ptrs + k0, K - k0, offs_k, n_ok, m_ok, EVEN_K)
             acc = tl.dot(w, tl.trans(x), acc, input_precision=DOT_PRECISION)  # [BN, BM]
+    elif PRELOAD:  # one row, one K block
+        x = tl.load(x_ptr + pid_m.to(tl.int64) * stride_xm + k_lo + offs_k, mask=offs_k < K - k_lo, other=0.0)
+        acc = tl.sum(w_pre.to(tl.float32) * x.to(tl.float32)[None, :], axis=1)[:, None]  # [BN, 1]
     elif BLOCK_M == 1:
         # one row: per-lane products summed over the K loop, one cross-lane reduction at the end
         wide = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
@@ -172,8 +183,12 @@ def _launch_shape(cfg: dict, rows: int, n: int, k: int, element_size: int, devic
     split = max(1, min(split, k_blocks, _MAX_SPLITS))
     blocks_per_split = cdiv(k_blocks, split)
     split = cdiv(k_blocks, blocks_per_split)  # no empty splits
+    preload = bool(cfg.get("preload", False)) and not use_dot and block_m == 1
+    if preload and blocks_per_split > 1:  # one K block a program: BLOCK_K widened to the split's range
+        block_k = next_power_of_2(cdiv(k, split))
+        blocks_per_split, split = 1, cdiv(k, block_k)
     return dict(USE_DOT=use_dot, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, split_k=split,
-                blocks_per_split=blocks_per_split, tiles=tiles)
+                blocks_per_split=blocks_per_split, tiles=tiles, PRELOAD=preload)
 
 
 def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -207,7 +222,7 @@ def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
         rows, n, k, x.stride(0), weight.stride(0), out.stride(0), launch["blocks_per_split"], split,
         HAS_BIAS=bias is not None, USE_DOT=launch["USE_DOT"],
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", EVEN_K=k % launch["BLOCK_K"] == 0,
-        BLOCK_M=launch["BLOCK_M"], BLOCK_N=launch["BLOCK_N"], BLOCK_K=launch["BLOCK_K"],
+        BLOCK_M=launch["BLOCK_M"], BLOCK_N=launch["BLOCK_N"], BLOCK_K=launch["BLOCK_K"], PRELOAD=launch["PRELOAD"],
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **launch_options(x.device, prefetch="weights"),
     )  # fmt: skip
     return out

@@ -158,7 +158,8 @@ def _decode_case(H, HV, K, V, dtype, num_slots, gen):
 
 
 # split_bv 0: a program per key head; 8: V in blocks of 8 (tickets for the windows and the row norm);
-# 32 >= V: a program per whole value head (tickets for the q/k windows only when HV > H); None: the table's
+# 32 >= V: a program per whole value head (tickets for the q/k windows only when HV > H); None: the table's;
+# preload: the state tile read before the PDL wait
 @pytest.mark.parametrize("H,HV,K,V,dtype,config", [
     (2, 4, 24, 20, torch.float32, {"split_bv": 0}),
     (2, 4, 24, 20, torch.float16, None),
@@ -169,6 +170,8 @@ def _decode_case(H, HV, K, V, dtype, num_slots, gen):
     (1, 3, 16, 36, torch.float32, {"split_bv": 16, "num_warps": 1}),
     (3, 3, 16, 20, torch.float32, {"split_bv": 8}),
     (3, 3, 16, 20, torch.float32, {"split_bv": 32}),
+    (2, 4, 24, 20, torch.float32, {"split_bv": 8, "preload": True}),
+    (1, 3, 16, 36, torch.float16, {"split_bv": 16, "num_warps": 1, "preload": True}),
 ])
 @pytest.mark.parametrize("batch", [1, 5])
 def test_fused_decode_matches_layer_math(H, HV, K, V, dtype, config, batch):
@@ -261,11 +264,9 @@ def test_fused_decode_out_slots_chain_keeps_every_state(config):
     assert not ticket_buffer(torch.device(DEVICE), 0).any()
 
 
-@pytest.mark.parametrize("split", [False, True])
-def test_fused_decode_prefetches_its_state_before_the_pdl_wait_on_sm90(split):
-    """Compiled offline for sm_90 with PDL and PREFETCH (Qwen3.6's 16 key / 32 value heads of 128): the state
-    tile's L2 prefetches, and the one slot-row load they need, come before the wait."""
-    from armillary.testing.offline_ptx import assert_prefetch_before_wait, kernel_ptx
+def _decode_ptx_sm90(split: bool, prefetch: bool, preload: bool) -> str:
+    """``_gdn_decode_kernel`` compiled offline for sm_90 with PDL, at Qwen3.6's 16 key / 32 value heads of 128."""
+    from armillary.testing.offline_ptx import kernel_ptx
 
     ptrs = ("mixed", "conv_weight", "conv_states", "ssm_states", "a_log", "dt_bias", "norm_weight", "state_slots",
             "out_slots", "out", "tickets", "rows", "partials")
@@ -275,8 +276,30 @@ def test_fused_decode_prefetches_its_state_before_the_pdl_wait_on_sm90(split):
     ints = dict.fromkeys(("stride_mixed", "stride_w", "stride_conv", "stride_ssm", "stride_out"), "i32")
     consts = {"NUM_K_HEADS": 16, "GROUP": 2, "K": 128, "V": 128, "KW": 4, "KW_P2": 4, "BK": 128,
               "BV": 16 if split else 128, "SPLIT": split, "NV": 8 if split else 1, "NV_P2": 8 if split else 1,
-              "BV_ROW": 128, "PDL": True, "PREFETCH": True}
+              "BV_ROW": 128, "PDL": True, "PREFETCH": prefetch, "PRELOAD": preload}
     signature = {**types, **ints, "eps": "fp32", "scale": "fp32", **dict.fromkeys(consts, "constexpr")}
-    ptx = kernel_ptx("armillary_qwen_gdn_moe.ops.gated_delta_rule.fused_recurrent", "_gdn_decode_kernel", signature,
-                     consts)
-    assert_prefetch_before_wait(ptx, prefetch=True, loads_before_wait=1)
+    return kernel_ptx("armillary_qwen_gdn_moe.ops.gated_delta_rule.fused_recurrent", "_gdn_decode_kernel", signature,
+                      consts)
+
+
+@pytest.mark.parametrize("split", [False, True])
+def test_fused_decode_prefetches_its_state_before_the_pdl_wait_on_sm90(split):
+    """With PREFETCH the state tile's L2 prefetches, and the slot-row loads (copied in before the step's first
+    kernel), come before the wait."""
+    from armillary.testing.offline_ptx import assert_prefetch_before_wait
+
+    assert_prefetch_before_wait(_decode_ptx_sm90(split, prefetch=True, preload=False), prefetch=True,
+                                loads_before_wait=2)
+
+
+def test_fused_decode_preload_reads_the_state_tile_before_the_pdl_wait_on_sm90():
+    """With PRELOAD (value split) the two slot rows and the whole [K, BV] state tile (128 x 16 fp32 over one warp:
+    16 four-wide loads a thread) are loaded before the wait; without it only the slot rows."""
+    from armillary.testing.offline_ptx import PDL_MARKS, instruction_sequence
+
+    for preload, before in ((True, 2 + 16), (False, 2)):
+        marks = instruction_sequence(_decode_ptx_sm90(True, prefetch=False, preload=preload), PDL_MARKS)
+        wait = marks.index("griddepcontrol.wait")
+        assert marks[0] == "griddepcontrol.launch_dependents", marks[:4]
+        assert marks[:wait].count("ld.global") == before, marks[:wait + 1]
+        assert "ld.global" in marks[wait:]

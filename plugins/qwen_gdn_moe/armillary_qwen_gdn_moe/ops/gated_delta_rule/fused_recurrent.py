@@ -32,7 +32,8 @@ from armillary.kernels.triton.host import cdiv, next_power_of_2
 from armillary.kernels.triton.pdl import launch_options, pdl_launch_dependents, pdl_wait, prefetch_rows_l2
 from armillary.kernels.tuning import kernel_config
 
-# split_bv: 0 walks each key head's value heads in one program; a power of two splits V in BV columns
+# split_bv: 0 walks each key head's value heads in one program; a power of two splits V in BV columns;
+# preload (optional, value split only): the state tile loaded before the PDL wait
 DECODE_DEFAULTS = {"num_warps": 4, "split_bv": 0}
 
 
@@ -179,10 +180,12 @@ def _value_split_step(
     stride_mixed, stride_w, stride_conv, stride_ssm, stride_out, eps, scale,
     NUM_K_HEADS: tl.constexpr, GROUP: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     KW: tl.constexpr, KW_P2: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    NV: tl.constexpr, NV_P2: tl.constexpr, BV_ROW: tl.constexpr,
+    NV: tl.constexpr, NV_P2: tl.constexpr, BV_ROW: tl.constexpr, PDL: tl.constexpr, PRELOAD: tl.constexpr,
 ):
     """Program (token, value head, V block): one [K, BV] tile; tickets settle the shared q/k windows
-    and, when NV > 1, the row's RMSNorm (rows: [B, HV, V] fp32 gated outputs, partials: [B, HV, NV])."""
+    and, when NV > 1, the row's RMSNorm (rows: [B, HV, V] fp32 gated outputs, partials: [B, HV, NV]).
+    PRELOAD: the state tile is read before the PDL wait (an earlier step wrote it; the slots are copied in
+    before the step's first kernel), so its load overlaps the previous kernel's tail."""
     i_b = tl.program_id(0)
     i_hv = tl.program_id(1)
     i_v = tl.program_id(2)
@@ -205,7 +208,11 @@ def _value_split_step(
     p_s = ssm_states + slot * stride_ssm + i_hv * K * V + o_k[:, None] * V + o_v[None, :]
     p_s_out = p_s + (slot_out - slot) * stride_ssm
     m_s = m_k[:, None] & m_v[None, :]
-    s = tl.load(p_s, mask=m_s, other=0.0)  # [BK, BV] issued first: the one long load
+    if PRELOAD:
+        s = tl.load(p_s, mask=m_s, other=0.0)  # [BK, BV] the one long load, before the previous kernel ends
+    pdl_wait(PDL)
+    if not PRELOAD:
+        s = tl.load(p_s, mask=m_s, other=0.0)  # [BK, BV] issued first: the one long load
 
     # every other load before the first layout change or reduction: no load may cross their barriers
     beta, decay = _gates(row, a_log, dt_bias, i_hv, CONV_DIM + VALUE_DIM, NUM_V_HEADS)
@@ -262,7 +269,7 @@ def _gdn_decode_kernel(
     NUM_K_HEADS: tl.constexpr, GROUP: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     KW: tl.constexpr, KW_P2: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     SPLIT: tl.constexpr, NV: tl.constexpr, NV_P2: tl.constexpr, BV_ROW: tl.constexpr, PDL: tl.constexpr,
-    PREFETCH: tl.constexpr,
+    PREFETCH: tl.constexpr, PRELOAD: tl.constexpr,
 ):
     pdl_launch_dependents(PDL)
     if PREFETCH:  # the state rows were written by an earlier step and the slots copied in before it: ask L2 now
@@ -276,14 +283,14 @@ def _gdn_decode_kernel(
             for j in tl.static_range(GROUP):
                 head = ssm_states + slot * stride_ssm + (tl.program_id(1) * GROUP + j) * K * V
                 prefetch_rows_l2(head, o_k, V, 0, V, BV)
-    pdl_wait(PDL)
-    if SPLIT:
+    if SPLIT:  # waits for the previous kernel itself (after its state load when PRELOAD)
         _value_split_step(
             mixed, conv_weight, conv_states, ssm_states, a_log, dt_bias, norm_weight, state_slots, out_slots, out,
             tickets, rows, partials, stride_mixed, stride_w, stride_conv, stride_ssm, stride_out, eps, scale,
-            NUM_K_HEADS, GROUP, K, V, KW, KW_P2, BK, BV, NV, NV_P2, BV_ROW,
+            NUM_K_HEADS, GROUP, K, V, KW, KW_P2, BK, BV, NV, NV_P2, BV_ROW, PDL, PRELOAD,
         )
     else:
+        pdl_wait(PDL)
         _key_head_step(
             mixed, conv_weight, conv_states, ssm_states, a_log, dt_bias, norm_weight, state_slots, out_slots, out,
             stride_mixed, stride_w, stride_conv, stride_ssm, stride_out, eps, scale,
@@ -384,7 +391,8 @@ def fused_gdn_decode(
         eps, head_k_dim**-0.5,
         NUM_K_HEADS=num_k_heads, GROUP=num_v_heads // num_k_heads, K=head_k_dim, V=head_v_dim,
         KW=kw, KW_P2=next_power_of_2(kw), BK=bk, BV=bv, SPLIT=bool(split_bv), NV=nv,
-        NV_P2=next_power_of_2(nv), BV_ROW=bv_row, num_warps=cfg["num_warps"],
+        NV_P2=next_power_of_2(nv), BV_ROW=bv_row, PRELOAD=bool(split_bv and cfg.get("preload", False)),
+        num_warps=cfg["num_warps"],
         **launch_options(mixed.device, prefetch="state"),
     )
     return out
