@@ -87,3 +87,27 @@ def test_table_entry_reaches_the_launch(monkeypatch):
     assert _ratio(fp8_moe.fp8_fused_moe(x, w13, s13, w2, s2, bn, bk, weights, ids, "silu"), want) < 1e-5
     with pytest.raises(ValueError, match="powers of two"):  # t2's entry is launched, so its bad value shows
         fp8_moe.fp8_fused_moe(x[:2], w13, s13, w2, s2, bn, bk, weights[:2], ids[:2], "silu")
+
+
+@pytest.mark.parametrize("block", [(16, 32), (128, 128), (1, None)])
+@pytest.mark.parametrize("bn2,tokens", [(16, 1), (64, 3)])
+def test_down_preload_over_pairs_matches_reference(monkeypatch, block, bn2, tokens):
+    """``down_preload``: the down GEMV split over (token, expert) pairs (``fp8_moe_down``), summed in pair order by
+    the last arriver; 64 rows straddle H (clamped); tickets back at zero; a BLOCK_K2 under I keeps the walk."""
+    from armillary.kernels.triton import fp8_moe_down
+    from armillary.kernels.triton.device_buffers import ticket_buffer
+
+    calls = []
+    inner = fp8_moe_down.gemv_down_pairs
+    monkeypatch.setattr(fp8_moe, "gemv_down_pairs", lambda *a, **kw: calls.append(kw) or inner(*a, **kw))
+    x, w13, s13, w2, s2, bn, bk, weights, ids = _moe(block, seed=bn2 + tokens, tokens=tokens)
+    want = ref.fused_moe(x, w13, s13, w2, s2, bn, bk, weights, ids, "silu")
+    cfg = {**CONFIGS["bn4"], "BLOCK_N2": bn2, "BLOCK_K2": 128, "down_preload": True}
+    for _ in range(2):
+        out = fp8_moe.fp8_fused_moe(x, w13, s13, w2, s2, bn, bk, weights, ids, "silu", grouped=False, gemv=cfg)
+        assert _ratio(out, want) < 1e-5
+    assert calls == [{"preload": True}] * 2
+    assert not ticket_buffer(torch.device("cpu"), 0).any()
+    walk = fp8_moe.fp8_fused_moe(x, w13, s13, w2, s2, bn, bk, weights, ids, "silu", grouped=False,
+                                 gemv={**cfg, "BLOCK_K2": 32})
+    assert len(calls) == 2 and _ratio(walk, want) < 1e-5

@@ -41,15 +41,16 @@ from armillary.kernels.triton.fp8_skinny import (WIDE_FOLD, fp8_row_products, fp
 from armillary.kernels.triton import moe as bf16_moe
 from armillary.kernels.triton.host import cdiv, next_power_of_2
 from armillary.kernels.triton.moe_align import moe_align
-from armillary.kernels.triton.pdl import (expert_prefetch_args, expert_prefetch_chunk, pdl_prologue,
-                                          prefetch_expert_chunk_l2)
+from armillary.kernels.triton.fp8_moe_down import gemv_down_pairs
+from armillary.kernels.triton.pdl import (expert_prefetch_args, expert_prefetch_chunk, pdl_launch_dependents,
+                                          pdl_prologue, pdl_wait, prefetch_expert_chunk_l2)
 
 GEMV_MAX_PAIRS = 64  # at most this many (token, expert) pairs take the GEMV path
 GEMV_KERNEL = "fp8_moe_gemv"
 # BLOCK_N1 / BLOCK_N2: weight rows per program (up: that many gate rows and as many up rows); BLOCK_K1 /
 # BLOCK_K2: the tile's columns (NSUB · SUB_K, SUB_K at most the weight's K block), powers of two >= 16.
 # num_stages1 > 1: the up kernel's K tiles in a pipelined loop instead of unrolled (the down kernel's
-# loops stay unrolled: num_stages2 is only the launch option).
+# loops stay unrolled: num_stages2 is only the launch option). down_preload (optional): fp8_moe_down's kernel.
 GEMV_DEFAULTS = {"BLOCK_N1": 2, "BLOCK_K1": 1024, "num_warps1": 2, "num_stages1": 1,
                  "BLOCK_N2": 4, "BLOCK_K2": 512, "num_warps2": 4, "num_stages2": 1}
 INTERPRETER_DEFAULTS = {**GEMV_DEFAULTS, "BLOCK_N1": 4, "num_warps1": 4}  # CPU: fewer, larger programs
@@ -94,13 +95,19 @@ def _gemv_up_kernel(
     ROWS_SHARE: tl.constexpr, GATED: tl.constexpr, ACT: tl.constexpr, EVEN_K: tl.constexpr,
     K_TILES: tl.constexpr, STAGES: tl.constexpr, BLOCK_N: tl.constexpr, NSUB: tl.constexpr, SUB_K: tl.constexpr,
     PDL: tl.constexpr, w2_ptr, expert_stride_w13, expert_stride_w2, bytes_w13, bytes_w2, chunk_bytes,
-    PREFETCH_EXPERTS: tl.constexpr,
+    PREFETCH_EXPERTS: tl.constexpr, LATE_TRIGGER: tl.constexpr,
 ):  # fmt: skip
     """Grid (pairs, cdiv(I, BN)): h[pair, n] = act(gate_n · x) · (up_n · x) (or act(up_n · x)) in fp32,
     x = x[pair / A_DIV]; the gate row n and up row I + n of w13[e] streamed by one program. STAGES 1: the
     K tiles unrolled; s > 1: a loop software-pipelined over s stages. PREFETCH_EXPERTS: program (pair, c) also
-    asks L2 for chunk c (``chunk_bytes``) of w13[e] and of w2[e], which the later programs and the down kernel read."""
-    pdl_prologue(PDL)
+    asks L2 for chunk c (``chunk_bytes``) of w13[e] and of w2[e], which the later programs and the down kernel read.
+    LATE_TRIGGER: the down kernel may launch only once every program has waited (routing finished), so it can
+    read the routing before its own wait."""
+    if LATE_TRIGGER:
+        pdl_wait(PDL)
+        pdl_launch_dependents(PDL)
+    else:
+        pdl_prologue(PDL)
     pair, pid_n = tl.program_id(0).to(tl.int64), tl.program_id(1)
     e = tl.load(ids_ptr + pair).to(tl.int64)
     if PREFETCH_EXPERTS:  # the first programs of each pair stream its expert's up and down weights into L2 in bulk
@@ -203,11 +210,12 @@ def gemv_config(num_experts: int, hidden: int, inter: int, top_k: int, tokens: i
 
 def gemv_up(x: torch.Tensor, w13: torch.Tensor, s13: torch.Tensor, block_n: int, block_k: int,
             topk_ids: torch.Tensor, h: torch.Tensor, activation: str | None, cfg: dict,
-            w2: torch.Tensor | None = None) -> None:
+            w2: torch.Tensor | None = None, late_trigger: bool = False) -> None:
     """h[p] (fp32, written) = act(gate_e x[p // k]) · up_e x[p // k] when ``activation`` is fused and h [P, I]
     of a gated w13 [E, 2I, H]; else h [P, rows] = act(w13_e x) (``activation`` None: the rows as they are).
     topk_ids [T, k] contiguous. ``w2``: the down weights [E, H, I]; with them, where ``expert_prefetch_chunk``
-    allows, the first programs of each pair stream its expert's w13 and w2 slices into L2 in bulk."""
+    allows, the first programs of each pair stream its expert's w13 and w2 slices into L2 in bulk.
+    ``late_trigger``: the next kernel launches only after every program's PDL wait (``fp8_moe_down``)."""
     k = topk_ids.shape[1]
     rows = h.shape[1]
     gated = activation is not None and w13.shape[1] == 2 * rows  # [gate | up] fused (unfused: h holds all rows)
@@ -223,7 +231,7 @@ def gemv_up(x: torch.Tensor, w13: torch.Tensor, s13: torch.Tensor, block_n: int,
         x, w13, s13, h, topk_ids, rows, w13.shape[2], x.stride(0), w13.stride(0), w13.stride(1), s13.stride(0),
         s13.stride(1), s13.stride(2) if s13.shape[2] > 1 else 0, h.stride(0), A_DIV=k, ROWS_SHARE=share,
         GATED=gated, ACT=act, STAGES=cfg["num_stages1"], num_warps=cfg["num_warps1"],
-        num_stages=cfg["num_stages1"], **meta, **pdl_options(x.device), w2_ptr=w2,
+        num_stages=cfg["num_stages1"], **meta, **pdl_options(x.device), w2_ptr=w2, LATE_TRIGGER=late_trigger,
         **expert_prefetch_args(w13, w2, chunk))  # fmt: skip
 
 
@@ -254,14 +262,20 @@ def _gemv_moe(x, w13, s13, w2, s2, block_n, block_k, topk_weights, topk_ids, act
     ids = topk_ids.contiguous()
     up_rows = inter if fused else w13.shape[1]  # unfused: every w13 row through, the activation in torch
     h = torch.empty(t * k, up_rows, dtype=torch.float32, device=x.device)  # [P, I] (or [P, 2I] unfused)
-    gemv_up(x, w13, s13, block_n, block_k, ids, h, activation if fused else None, cfg, w2=w2)
+    down_meta = _gemv_meta(inter, block_n, block_k, cfg["BLOCK_N2"], cfg["BLOCK_K2"])
+    # down_preload: the down kernel split over pairs, its weights read before its PDL wait (the whole I in a tile)
+    pairs = bool(cfg.get("down_preload", False)) and down_meta["K_TILES"] == 1
+    gemv_up(x, w13, s13, block_n, block_k, ids, h, activation if fused else None, cfg, w2=w2, late_trigger=pairs)
     if not fused:
         gated = w13.shape[1] == 2 * inter
         h = act_and_mul(h, activation) if gated else get_activation(activation)(h)  # [P, I] fp32
         h = h.contiguous()
     out = torch.empty(t, hidden, dtype=x.dtype, device=x.device)
     weights = topk_weights.float().contiguous()  # [T, k]
-    gemv_down(h, w2, s2, block_n, block_k, ids, weights, out, cfg)
+    if pairs:
+        gemv_down_pairs(h, w2, s2, ids, weights, out, down_meta, cfg["BLOCK_N2"], cfg["num_warps2"], preload=True)
+    else:
+        gemv_down(h, w2, s2, block_n, block_k, ids, weights, out, cfg)
     return out
 
 
