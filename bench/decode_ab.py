@@ -7,6 +7,7 @@ tokens must equal the first setting's: these decisions may not change a bit) and
 
     python bench/decode_ab.py --model qwen --fp8 --streams 1,8,64 \\
         --setting '{}' --setting '{"ARMILLARY_L2_PREFETCH": "1"}'
+    python bench/decode_ab.py --model qwen --fp8 --streams 1 --layers 12 --setting '{}' --setting ...  # quicker
 """
 from __future__ import annotations
 
@@ -68,10 +69,17 @@ def main() -> int:
     ap.add_argument("--setting", action="append", required=True, help="JSON object of environment variables")
     ap.add_argument("--repeat", type=int, default=2)
     ap.add_argument("--steps", type=int, default=64)
+    ap.add_argument("--layers", type=int, default=0, help="keep the first N layers (a shorter start-up; 0: all)")
     args = ap.parse_args()
     settings = [json.loads(text) for text in args.setting]
     streams = [int(s) for s in args.streams.split(",")]
     cfg, Ours = _model(args.model)
+    if args.layers:  # every per-layer kernel is still there, fewer times: the ratios hold, the start-up shrinks
+        full = cfg["num_hidden_layers"]
+        cfg["num_hidden_layers"] = args.layers
+        for key, value in cfg.items():  # per-layer lists (layer_types, mlp_layer_types...)
+            if isinstance(value, list) and len(value) == full:
+                cfg[key] = value[:args.layers]
     import armillary.engine
     armillary.engine.warm_up = lambda engine: None  # the runs below warm what they time
     d = Path(os.environ.get("TMPDIR", "/tmp")) / f"decode_ab_{os.getpid()}"
