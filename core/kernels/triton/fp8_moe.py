@@ -262,9 +262,10 @@ def _gemv_moe(x, w13, s13, w2, s2, block_n, block_k, topk_weights, topk_ids, act
     ids = topk_ids.contiguous()
     up_rows = inter if fused else w13.shape[1]  # unfused: every w13 row through, the activation in torch
     h = torch.empty(t * k, up_rows, dtype=torch.float32, device=x.device)  # [P, I] (or [P, 2I] unfused)
-    down_meta = _gemv_meta(inter, block_n, block_k, cfg["BLOCK_N2"], cfg["BLOCK_K2"])
     # down_preload: the down kernel split over pairs, its weights read before its PDL wait (the whole I in a tile)
-    pairs = bool(cfg.get("down_preload", False)) and down_meta["K_TILES"] == 1
+    down_meta = _gemv_meta(inter, block_n, block_k, cfg["BLOCK_N2"], cfg["BLOCK_K2"]) \
+        if cfg.get("down_preload", False) else None
+    pairs = down_meta is not None and down_meta["K_TILES"] == 1
     gemv_up(x, w13, s13, block_n, block_k, ids, h, activation if fused else None, cfg, w2=w2, late_trigger=pairs)
     if not fused:
         gated = w13.shape[1] == 2 * inter
@@ -273,7 +274,7 @@ def _gemv_moe(x, w13, s13, w2, s2, block_n, block_k, topk_weights, topk_ids, act
     out = torch.empty(t, hidden, dtype=x.dtype, device=x.device)
     weights = topk_weights.float().contiguous()  # [T, k]
     if pairs:
-        gemv_down_pairs(h, w2, s2, ids, weights, out, down_meta, cfg["BLOCK_N2"], cfg["num_warps2"], preload=True)
+        gemv_down_pairs(h, w2, s2, ids, weights, out, down_meta, cfg["BLOCK_N2"], cfg["num_warps2"])
     else:
         gemv_down(h, w2, s2, block_n, block_k, ids, weights, out, cfg)
     return out

@@ -30,27 +30,23 @@ def _gemv_down_pairs_kernel(
     stride_hm, stride_we, stride_wn, stride_se, stride_sn, stride_sk, stride_om,
     TOP_K: tl.constexpr, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, K_SCALED: tl.constexpr,
     ROWS_SHARE: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr, NSUB: tl.constexpr,
-    SUB_K: tl.constexpr, PDL: tl.constexpr, PRELOAD: tl.constexpr,
+    SUB_K: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """Grid (cdiv(N, BN), T, TOP_K): program (n, t, j) adds topw[t, j] · (w2[ids[t, j]] · h[t·k + j]) over its
     BN rows; the whole K (= NSUB · SUB_K) in one tile. h fp32 [T·k, K]; part_ptr [TOP_K, T, N] fp32; ticket_ptr
-    [T · N tiles] int32, zero between calls. PRELOAD: id, routing weight and weight tile before the wait (safe
-    only when the kernel before this one triggered its dependents after its own wait)."""
+    [T · N tiles] int32, zero between calls. The id, routing weight and weight tile are read before the PDL wait:
+    launch it only behind a kernel that triggers its dependents after its own wait (``gemv_up``'s late_trigger)."""
     pdl_launch_dependents(PDL)
     pid_n, t, j = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = offs_n % N  # clamped rows: unmasked wide loads, results not stored
     row_blk = (pid_n * BLOCK_N) // GROUP_N
     pair = t.to(tl.int64) * TOP_K + j
-    if PRELOAD:  # the routing kernel (two launches back) has finished: its ids and the static weights now
-        e = tl.load(ids_ptr + pair).to(tl.int64)
-        weight = tl.load(topw_ptr + pair)
-        w = fp8_w_tile(w_ptr + e * stride_we, rows, 0, K, stride_wn, NSUB, SUB_K, EVEN_K)
+    # the routing kernel (two launches back) has finished: its ids and the static weights now, h after the wait
+    e = tl.load(ids_ptr + pair).to(tl.int64)
+    weight = tl.load(topw_ptr + pair)
+    w = fp8_w_tile(w_ptr + e * stride_we, rows, 0, K, stride_wn, NSUB, SUB_K, EVEN_K)
     pdl_wait(PDL)
-    if not PRELOAD:
-        e = tl.load(ids_ptr + pair).to(tl.int64)
-        weight = tl.load(topw_ptr + pair)
-        w = fp8_w_tile(w_ptr + e * stride_we, rows, 0, K, stride_wn, NSUB, SUB_K, EVEN_K)
     s_e = s_ptr + e * stride_se
     koff = tl.arange(0, NSUB)[:, None] * SUB_K + tl.arange(0, SUB_K)[None, :]  # [NSUB, SUB_K]
     x = fp8_x_tile(h_ptr + pair * stride_hm, koff, K, EVEN_K) * weight  # h is fp32 already
@@ -64,11 +60,10 @@ def _gemv_down_pairs_kernel(
 
 
 def gemv_down_pairs(h: torch.Tensor, w2: torch.Tensor, s2: torch.Tensor, topk_ids: torch.Tensor,
-                    weights: torch.Tensor, out: torch.Tensor, meta: dict, bn: int, num_warps: int,
-                    preload: bool) -> None:
+                    weights: torch.Tensor, out: torch.Tensor, meta: dict, bn: int, num_warps: int) -> None:
     """out[t] (written) = Σ_j weights[t, j] · w2[ids[t, j]] · h[t · k + j], the pairs split over programs.
     h fp32 [T · k, I]; topk_ids, weights (fp32) [T, k] contiguous; out [T, H]; ``meta``: ``fp8_moe._gemv_meta``
-    of one K tile (K_TILES 1). ``preload``: only behind an up kernel launched with ``late_trigger``."""
+    of one K tile (K_TILES 1). Only behind an up kernel launched with ``late_trigger``."""
     t, k = topk_ids.shape
     hidden = w2.shape[1]
     if meta["K_TILES"] != 1:
@@ -82,4 +77,4 @@ def gemv_down_pairs(h: torch.Tensor, w2: torch.Tensor, s2: torch.Tensor, topk_id
         w2.stride(1), s2.stride(0), s2.stride(1), s2.stride(2) if s2.shape[2] > 1 else 0, out.stride(0), TOP_K=k,
         ROWS_SHARE=meta["GROUP_N"] % bn == 0, GROUP_N=meta["GROUP_N"], GROUP_K=meta["GROUP_K"],
         K_SCALED=meta["K_SCALED"], EVEN_K=meta["EVEN_K"], BLOCK_N=bn, NSUB=meta["NSUB"], SUB_K=meta["SUB_K"],
-        PRELOAD=preload, num_warps=num_warps, num_stages=1, **pdl_options(out.device))  # fmt: skip
+        num_warps=num_warps, num_stages=1, **pdl_options(out.device))  # fmt: skip
