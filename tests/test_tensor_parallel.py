@@ -1,8 +1,9 @@
-"""Tensor parallelism through the engine on the CPU (gloo, one process per rank): a tiny random Llama at TP = 2 gives
-the greedy tokens and logprobs of one process over 32 steps, with replicated key-value heads and a tied head over an
-odd vocabulary (split by rows) too, and under forced preemption; each rank holds its shard; a rank killed mid-run ends the engine with an error naming it, within the
-timeout; a model that does not shard is refused naming the issue; a calibrated fp8 KV cache over two ranks equals
-one process; rank 0 copies only its shard out of the files."""
+"""Tensor parallelism through the engine on the CPU (gloo, one process per rank): a tiny random Llama at TP = 2 and 4
+gives the greedy tokens and logprobs of one process over 32 steps, with replicated key-value heads and a tied head over
+an odd vocabulary (split by rows) too, and under forced preemption; each rank holds its shard; a rank killed mid-run
+(of two or four) ends the engine with an error naming it, within the timeout; a model that does not shard is refused
+naming the issue; a calibrated fp8 KV cache over two ranks equals one process; rank 0 copies only its shard out of
+the files."""
 from __future__ import annotations
 
 import time
@@ -64,18 +65,21 @@ def single(model_dir):
     llm.engine.shutdown()
 
 
-def test_two_ranks_give_one_process_greedy_tokens_and_logprobs(model_dir, single):
-    llm = make_llm(model_dir, 2)
+@pytest.mark.parametrize("tp", [2, 4])
+def test_ranks_give_one_process_greedy_tokens_and_logprobs(model_dir, single, tp):
+    """Two and four processes; at four, both key-value layouts have fewer kv heads than ranks (replicated)."""
+    llm = make_llm(model_dir, tp)
     try:
         tokens, logprobs = run(llm)
         attn = llm.engine.model.model.layers[0].self_attn
         kv_total = 2 if "kv2" in str(model_dir) else 1
-        assert (attn.num_heads, attn.num_kv_heads) == (2, max(1, kv_total // 2))  # rank 0 holds its share
-        assert attn.qkv_proj.weight.shape[0] == (2 + 2 * attn.num_kv_heads) * 16
-        assert llm.engine.model.model.layers[0].mlp.down_proj.weight.shape == (64, 48)
+        assert (attn.num_heads, attn.num_kv_heads) == (4 // tp, max(1, kv_total // tp))  # rank 0 holds its share
+        assert attn.qkv_proj.weight.shape[0] == (4 // tp + 2 * attn.num_kv_heads) * 16
+        assert llm.engine.model.model.layers[0].mlp.down_proj.weight.shape == (64, 96 // tp)
         assert llm.engine.worker.caches[0].k.shape[-2] == attn.num_kv_heads  # the cache holds rank 0's heads
         vocab = llm.engine.model.args.vocab_size
-        assert llm.engine.model.model.embed_tokens.weight.shape[0] == -(-vocab // 2)  # half the vocabulary rows
+        assert llm.engine.model.model.embed_tokens.weight.shape[0] == -(-vocab // tp)  # 1 / tp of the vocabulary
+        assert len(llm.engine.worker.procs) == tp - 1  # ranks 1..tp-1 spawned
     finally:
         llm.engine.shutdown()
     assert tokens == single[0]
@@ -93,15 +97,16 @@ def test_two_ranks_under_forced_preemption_equal_one_process(model_dir, single):
     assert tokens == single[0]
 
 
-def test_a_killed_rank_ends_the_engine_with_an_error_naming_it(tmp_path):
+@pytest.mark.parametrize("tp,killed", [(2, 1), (4, 3)])
+def test_a_killed_rank_ends_the_engine_with_an_error_naming_it(tmp_path, tp, killed):
     _save_llama(tmp_path, 2)
-    llm = make_llm(tmp_path, 2, distributed_timeout_s=20)
+    llm = make_llm(tmp_path, tp, distributed_timeout_s=20)
     try:
-        proc = llm.engine.worker.procs[0]
+        proc = llm.engine.worker.procs[killed - 1]
         proc.kill()
         proc.join(timeout=10)
         started = time.perf_counter()
-        with pytest.raises(RankFailed, match="rank 1 exited"):
+        with pytest.raises(RankFailed, match=f"rank {killed} exited"):
             llm.generate(prompts(), GREEDY)
         assert time.perf_counter() - started < 20
     finally:

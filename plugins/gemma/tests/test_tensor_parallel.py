@@ -1,7 +1,7 @@
-"""Gemma 3 / Gemma 4 over two ranks on the CPU (gloo, one process per rank) against transformers: tensor parallelism
-(heads, MLP and expert widths, the tied head's vocabulary rows split), expert parallelism on the MoE model, both over
-the same two ranks; greedy tokens and top-5 log-probabilities for 32 steps on three prompts at once. A config whose
-k = v global heads cannot split is refused at build."""
+"""Gemma 3 / Gemma 4 over two and four ranks on the CPU (gloo, one process per rank) against transformers: tensor
+parallelism (heads, MLP and expert widths, the tied head's vocabulary rows split), expert parallelism on the MoE
+model, both over the same ranks; greedy tokens and top-5 log-probabilities for 32 steps on three prompts at once. A
+config whose k = v global heads cannot split is refused at build."""
 from __future__ import annotations
 
 import pytest
@@ -10,7 +10,8 @@ from armillary import LLM
 from armillary.testing import assert_greedy_matches
 from plugins.gemma.tests.gemma_hf import BLOCK, prompts
 
-RUNS = [("gemma3", 2, 1), ("gemma3_softcap", 2, 1), ("gemma4_moe", 2, 1), ("gemma4_moe", 1, 2), ("gemma4_moe", 2, 2)]
+RUNS = [("gemma3", 2, 1), ("gemma3_softcap", 2, 1), ("gemma4_moe", 2, 1), ("gemma4_moe", 1, 2), ("gemma4_moe", 2, 2),
+        ("gemma3", 4, 1), ("gemma4_moe", 4, 4)]  # four ranks: one head each, the two kv heads replicated
 
 
 def _llm(directory, registry, tp: int, ep: int) -> LLM:
@@ -20,7 +21,7 @@ def _llm(directory, registry, tp: int, ep: int) -> LLM:
 
 
 @pytest.mark.parametrize("name,tp,ep", RUNS, ids=[f"{n}-tp{tp}-ep{ep}" for n, tp, ep in RUNS])
-def test_two_ranks_match_transformers(name, tp, ep, tiny_gemma, gemma_registry):
+def test_ranks_match_transformers(name, tp, ep, tiny_gemma, gemma_registry):
     directory, hf_model = tiny_gemma(name)
     llm = _llm(directory, gemma_registry, tp, ep)
     try:

@@ -1,9 +1,9 @@
-"""GLM-4.7-Flash (glm4_moe_lite) over two ranks on the CPU (gloo, one process per rank) against transformers: tensor
-parallelism (MLA heads through q_b / kv_b / o_proj, dense MLP and expert widths, vocabulary rows split; the
-down-projections, the router and the whole latent cache on every rank), expert parallelism (half the routed
-experts, whole, per rank) and both over the same two ranks; greedy tokens identical and logits close over 32 steps,
-one prompt at a time and all at once; rank 0 holds only its shard; MTP speculation (K = 2) over two ranks equals one
-process without it. Without processes: heads that do not split are refused."""
+"""GLM-4.7-Flash (glm4_moe_lite) over two and four ranks on the CPU (gloo, one process per rank) against
+transformers: tensor parallelism (MLA heads through q_b / kv_b / o_proj, dense MLP and expert widths, vocabulary rows
+split; the down-projections, the router and the whole latent cache on every rank), expert parallelism (half the
+routed experts, whole, per rank) and both over the same two ranks; greedy tokens identical and logits close over 32
+steps, one prompt at a time and all at once; rank 0 holds only its shard; MTP speculation (K = 2) over two ranks
+equals one process without it. Without processes: heads that do not split are refused."""
 from __future__ import annotations
 
 import pytest
@@ -26,7 +26,7 @@ _FOUR_HEADS = dict(num_attention_heads=4, num_key_value_heads=4)
 LORA = Case("tp_lora", dict(CASES_BY_NAME["lora_interleaved"].config, **_FOUR_HEADS))
 TIED = Case("tp_q_proj_tied", dict(CASES_BY_NAME["yarn_two_shared"].config, **_FOUR_HEADS, vocab_size=301))
 # (case, tp, ep): CPU time matters (every run spawns a rank), so the second case runs at TP 2 only
-RUNS = [(LORA, 2, 1), (LORA, 1, 2), (LORA, 2, 2), (TIED, 2, 1)]
+RUNS = [(LORA, 2, 1), (LORA, 1, 2), (LORA, 2, 2), (TIED, 2, 1), (LORA, 4, 1)]  # four ranks: one head each
 
 
 @pytest.fixture(scope="module")
@@ -66,7 +66,7 @@ def assert_rank0_shard(model: Glm4MoeLiteForCausalLM, cfg: dict, tp: int, ep: in
 
 
 @pytest.mark.parametrize("case,tp,ep", RUNS, ids=[f"{c.name}-tp{tp}-ep{ep}" for c, tp, ep in RUNS])
-def test_two_ranks_match_transformers(references, case, tp, ep):
+def test_ranks_match_transformers(references, case, tp, ep):
     reference = references(case)
     llm = LLM(str(reference.model_dir), registry=glm_registry(), dtype="float32", device="cpu", max_model_len=256,
               block_size=8, max_num_seqs=4, tensor_parallel_size=tp, expert_parallel_size=ep,

@@ -1,11 +1,11 @@
-"""Nemotron-H over two ranks on the CPU (gloo, one process per rank) against transformers: tensor parallelism (the
-Mamba heads with their groups, conv channels and states, the attention heads, the MLP and expert widths split),
-expert parallelism (half the experts, whole, per rank) and both over the same two ranks; greedy tokens identical and
-logits close over 32 steps, one prompt at a time and all at once; rank 0 holds its share. The runs cover groups that
-split over the ranks and one group replicated on both (its gated norm summed over them), a stacked and a separate
-shared expert, a dense relu² layer and a tied head. Without processes: which heads, groups, in_proj rows and conv
-channels a rank keeps, replicated groups at four ranks, a per-tensor fp8 scale in every in_proj slot, and the
-layouts refused. MTP speculation (K = 2) over two ranks equals one process without it."""
+"""Nemotron-H over two and four ranks on the CPU (gloo, one process per rank) against transformers: tensor
+parallelism (the Mamba heads with their groups, conv channels and states, the attention heads, the MLP and expert
+widths split), expert parallelism (1 / ep of the experts, whole, per rank) and both over the same ranks; greedy
+tokens identical and logits close over 32 steps, one prompt at a time and all at once; rank 0 holds its share. The
+runs cover groups that split over the ranks and groups replicated on two ranks each (their gated norm summed over
+them), a stacked and a separate shared expert, a dense relu² layer and a tied head. Without processes: which heads,
+groups, in_proj rows and conv channels a rank keeps, replicated groups at four ranks, a per-tensor fp8 scale in every
+in_proj slot, and the layouts refused. MTP speculation (K = 2) over two ranks equals one process without it."""
 from __future__ import annotations
 
 import pytest
@@ -29,7 +29,10 @@ from tests.fixtures.engine_runs import run_to_completion
 # (case, tp, ep): 2 groups split, stacked shared expert (TP widths, then EP with it on rank 0); 4 groups, a separate
 # shared expert and a dense layer (TP, and TP + EP: one sum of experts and shared expert); 1 group replicated, tied
 RUNS = [("ME*ME_groups2_chunk8", 2, 1), ("ME*ME_groups2_chunk8", 1, 2), ("M*-EM_groups4_router_groups", 2, 1),
-        ("M*-EM_groups4_router_groups", 2, 2), ("*MEM-_groups1_tied", 2, 1)]
+        ("M*-EM_groups4_router_groups", 2, 2), ("*MEM-_groups1_tied", 2, 1),
+        # four ranks: 2 groups each replicated on two ranks (its norm summed over them), two kv heads replicated;
+        # 4 groups split with the experts whole, two a rank
+        ("ME*ME_groups2_chunk8", 4, 1), ("M*-EM_groups4_router_groups", 4, 4)]
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +52,8 @@ def _assert_rank0_share(llm: LLM, cfg: dict, tp: int, ep: int) -> None:
     assert mixer.out_proj.weight.shape[1] == d_inner and mixer.norm.weight.shape == (d_inner,)
     assert mixer.A_log.shape == mixer.D.shape == mixer.dt_bias.shape == (heads,)
     attn = next(b.mixer for b in layers if b.kind == "attention")
-    assert (attn.num_heads, attn.num_kv_heads) == (cfg["num_attention_heads"] // tp, cfg["num_key_value_heads"] // tp)
+    kv_heads = max(1, cfg["num_key_value_heads"] // tp)  # fewer kv heads than ranks: one replicated
+    assert (attn.num_heads, attn.num_kv_heads) == (cfg["num_attention_heads"] // tp, kv_heads)
     moe = next(b.mixer for b in layers if b.kind == "moe")
     routed = [e for e in moe.experts.local_experts if e < cfg["n_routed_experts"]]
     assert len(routed) == cfg["n_routed_experts"] // ep
@@ -63,7 +67,7 @@ def _assert_rank0_share(llm: LLM, cfg: dict, tp: int, ep: int) -> None:
 
 
 @pytest.mark.parametrize("name,tp,ep", RUNS, ids=[f"{n}-tp{tp}-ep{ep}" for n, tp, ep in RUNS])
-def test_two_ranks_match_transformers(references, name, tp, ep):
+def test_ranks_match_transformers(references, name, tp, ep):
     reference = references(CASES_BY_NAME[name])
     llm = LLM(str(reference.model_dir), registry=nemotron_registry(), dtype="float32", device="cpu", max_model_len=256,
               tensor_parallel_size=tp, expert_parallel_size=ep, distributed_timeout_s=60, cpu_kv_cache_space_gb=0.05)

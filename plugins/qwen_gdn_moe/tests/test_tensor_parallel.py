@@ -1,6 +1,6 @@
-"""Qwen3-Next / Qwen3.5 over two ranks on the CPU (gloo, one process per rank) against transformers: tensor
+"""Qwen3-Next / Qwen3.5 over two and four ranks on the CPU (gloo, one process per rank) against transformers: tensor
 parallelism (the Gated DeltaNet heads, conv channels and states, the attention heads and the expert widths split),
-expert parallelism (half the experts, whole, per rank) and both over the same two ranks; greedy tokens identical
+expert parallelism (1 / ep of the experts, whole, per rank) and both over the same ranks; greedy tokens identical
 and logits close over 32 steps, one prompt at a time and all at once; fused and separate shared experts, a dense
 MLP; rank 0 holds its share of each. MTP speculation (K = 2) over two ranks equals one process without it, through
 the checkpoint's head and through oracle drafts on rank 0 that make every accepted length happen."""
@@ -12,7 +12,7 @@ from armillary import LLM
 from armillary.sampling_params import SamplingParams
 from armillary.testing import assert_reference_run, lazy_references
 from plugins.qwen_gdn_moe.tests.harness import build_engine, qwen_registry
-from plugins.qwen_gdn_moe.tests.hf_models import CASES_BY_NAME, VOCAB, make_reference, prompts
+from plugins.qwen_gdn_moe.tests.hf_models import CASES_BY_NAME, VOCAB, Case, make_reference, prompts
 from plugins.qwen_gdn_moe.tests.mtp_checkpoint import save_with_mtp
 from tests.fixtures.engine_runs import run_to_completion
 from tests.fixtures.oracle_drafts import use_oracle_drafts
@@ -20,9 +20,15 @@ from tests.fixtures.oracle_drafts import use_oracle_drafts
 # the cases whose head counts and widths split in two: separate and fused shared experts, dense MLPs, a tied head
 # with one (replicated) key-value head
 TP_CASES = ("next_full_last", "moe35_cg", "moe35_causal", "dense35_causal", "dense35_cg_tied")
-# (case, tp, ep): every case at TP 2; the MoE cases at EP 2 and at TP 2 with EP 2 as well
-RUNS = [(name, tp, ep) for name in TP_CASES for tp, ep in ((2, 1), (1, 2), (2, 2))
+# four of everything that splits (GDN key and value heads, attention heads, experts; two kv heads, replicated at four
+# ranks): next_full_last with wider GDN and MoE layers
+FOUR = Case("next_four_ranks", "next", dict(CASES_BY_NAME["next_full_last"].text, linear_num_key_heads=4,
+                                             linear_num_value_heads=8, linear_value_head_dim=16, num_experts=8))
+# (case, tp, ep): every case at TP 2; the MoE cases at EP 2 and at TP 2 with EP 2 as well; four ranks: TP 4,
+# EP 4 (two whole experts a rank) and both over the same four
+RUNS = [(CASES_BY_NAME[name], tp, ep) for name in TP_CASES for tp, ep in ((2, 1), (1, 2), (2, 2))
         if ep == 1 or CASES_BY_NAME[name].is_moe]
+RUNS += [(FOUR, 4, 1), (FOUR, 4, 4), (CASES_BY_NAME["moe35_cg"], 1, 4)]
 
 
 @pytest.fixture(scope="module")
@@ -30,9 +36,9 @@ def references(tmp_path_factory):
     return lazy_references(make_reference, tmp_path_factory)
 
 
-@pytest.mark.parametrize("name,tp,ep", RUNS, ids=[f"{n}-tp{tp}-ep{ep}" for n, tp, ep in RUNS])
-def test_two_ranks_match_transformers(references, name, tp, ep):
-    reference = references(CASES_BY_NAME[name])
+@pytest.mark.parametrize("case,tp,ep", RUNS, ids=[f"{c.name}-tp{tp}-ep{ep}" for c, tp, ep in RUNS])
+def test_ranks_match_transformers(references, case, tp, ep):
+    reference = references(case)
     llm = LLM(str(reference.model_dir), registry=qwen_registry(), dtype="float32", device="cpu", max_model_len=256,
               tensor_parallel_size=tp, expert_parallel_size=ep, distributed_timeout_s=60, cpu_kv_cache_space_gb=0.05)
     try:
