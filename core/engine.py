@@ -284,6 +284,10 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    def check_health(self) -> None:
+        """Raise ``RankFailed`` when a rank of the model stopped (found without a collective: asked while idle)."""
+        self.worker.check_health()
+
     # ---- the step
 
     def step(self) -> list[RequestOutput]:

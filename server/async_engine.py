@@ -21,6 +21,7 @@ from armillary.outputs import RequestOutput
 from armillary.sampling_params import SamplingParams
 
 log = logging.getLogger("armillary.server")
+HEALTH_POLL_S = 1.0  # how often an idle engine thread asks the worker whether its ranks still run
 
 
 class EngineUnavailableError(ArmillaryError):
@@ -144,6 +145,13 @@ class AsyncEngine:
     def start(self) -> None:
         self._thread = threading.Thread(target=self._run, name="armillary-engine", daemon=True)
         self._thread.start()
+
+    def bind_loop(self, loop: asyncio.AbstractEventLoop) -> None:
+        """The event loop that hears the engine (outputs, failures, ``on_dead``) before any request names one: the
+        server binds its own at start-up, so an engine that dies while idle still reaches it."""
+        if self._streams and self._loop is not loop:
+            raise RuntimeError("requests from another event loop are in flight: the engine answers on one")
+        self._loop = loop
 
     def wait_until_loaded(self, timeout: float | None = None) -> None:
         """Block until the engine is built; re-raises what building it raised."""
@@ -372,8 +380,13 @@ class AsyncEngine:
 
     def _drain(self, block: bool) -> list[Any]:
         commands = []
-        if block:
-            commands.append(self._inbox.get())
+        while block:
+            try:
+                commands.append(self._inbox.get(timeout=HEALTH_POLL_S))
+                break
+            except queue.Empty:  # idle: a rank that died now stops the server, not the next request
+                if self._dead is None:
+                    self.engine.check_health()
         while True:
             try:
                 commands.append(self._inbox.get_nowait())

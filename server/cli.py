@@ -43,9 +43,11 @@ def _setup_logging(level: str) -> None:
 class _Server(uvicorn.Server):
     """uvicorn that aborts in-flight requests on SIGINT / SIGTERM and exits normally afterwards."""
 
-    def __init__(self, config: uvicorn.Config, on_signal: Callable[[], None], throughput: Any = None) -> None:
+    def __init__(self, config: uvicorn.Config, on_signal: Callable[[], None], throughput: Any = None,
+                 on_loop: Callable[[asyncio.AbstractEventLoop], None] | None = None) -> None:
         super().__init__(config)
         self._on_signal = on_signal
+        self._on_loop = on_loop  # told uvicorn's loop at start-up (the engine's failures are posted to it)
         self._throughput = throughput  # ThroughputLog: its task runs on uvicorn's loop
         self._throughput_task: asyncio.Task | None = None
 
@@ -70,6 +72,8 @@ class _Server(uvicorn.Server):
 
     async def startup(self, sockets: Any = None) -> None:
         await super().startup(sockets)
+        if self._on_loop is not None:
+            self._on_loop(asyncio.get_running_loop())
         if self.started and self.servers:
             host, port = self.servers[0].sockets[0].getsockname()[:2]
             shown = f"[{host}]" if ":" in host else host
@@ -263,7 +267,7 @@ def _load_and_serve(args: argparse.Namespace, model: str, config: EngineConfig, 
     throughput = None if args.disable_log_stats else ThroughputLog(metrics, args.log_stats_interval)
     server = _Server(uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off",
                                     timeout_graceful_shutdown=10), on_signal=engine.begin_shutdown,
-                     throughput=throughput)
+                     throughput=throughput, on_loop=engine.bind_loop)  # a rank dying before any request exits too
     engine.on_dead = lambda exc: _exit_on_dead_engine(server, exc)
     try:
         server.run(sockets=[sock])

@@ -6,6 +6,7 @@ naming the issue; a calibrated fp8 KV cache over two ranks equals one process; r
 the files."""
 from __future__ import annotations
 
+import asyncio
 import time
 
 import pytest
@@ -110,6 +111,36 @@ def test_a_killed_rank_ends_the_engine_with_an_error_naming_it(tmp_path, tp, kil
             llm.generate(prompts(), GREEDY)
         assert time.perf_counter() - started < 20
     finally:
+        llm.engine.shutdown()
+
+
+def test_an_idle_server_engine_dies_when_a_rank_does(tmp_path):
+    """No request in flight: the server's engine thread finds the dead rank on its idle health poll, so /health answers
+    503 naming it and the server's on_dead exit runs, instead of waiting for the next request to fail."""
+    from armillary.server.async_engine import HEALTH_POLL_S, AsyncEngine
+
+    _save_llama(tmp_path, 2)
+    llm = make_llm(tmp_path, 2, distributed_timeout_s=20)
+    dead: list[BaseException] = []
+    eng = AsyncEngine(lambda: llm.engine)
+    loop = asyncio.new_event_loop()  # the server's loop, bound at its start-up; this test runs it by hand
+    eng.start()
+    try:
+        eng.wait_until_loaded(timeout=10)
+        assert eng.ready
+        eng.bind_loop(loop)
+        eng.on_dead = dead.append
+        llm.engine.worker.procs[0].kill()
+        deadline = time.monotonic() + 5 * HEALTH_POLL_S
+        while eng.ready and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not eng.ready and "rank 1 exited" in eng.not_ready_reason()
+        loop.run_until_complete(asyncio.sleep(0.1))  # run the posted callbacks
+        assert len(dead) == 1 and isinstance(dead[0], RankFailed)
+        assert llm.engine.worker.procs == []  # the other ranks stopped, the groups left
+    finally:
+        eng.shutdown(timeout=5)
+        loop.close()
         llm.engine.shutdown()
 
 

@@ -54,6 +54,10 @@ class Worker(ABC):
     def launch(self, plan: StepPlan) -> LaunchedStep:
         """Enqueue one step; the result is read with ``LaunchedStep.wait()``."""
 
+    def check_health(self) -> None:
+        """Raise (``RankFailed``) when this worker can no longer serve, found without a collective (a rank's process
+        gone); the server's idle engine thread asks every second. One process has nothing to check."""
+
     def close(self) -> None:
         """Release what the worker holds besides its tensors (other ranks' processes, process groups); the engine
         calls it once, at shutdown. A single-device worker holds nothing of the kind."""

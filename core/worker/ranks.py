@@ -205,6 +205,9 @@ class RankedWorkers(Worker):
         self._send(LAUNCH, portable_plan(plan))
         return self._run(lambda: self.local.launch(plan))
 
+    def check_health(self) -> None:
+        self._run(self._check_ranks)  # a dead rank: the others stopped, the groups left, RankFailed naming it
+
     def close(self, graceful: bool = True) -> None:
         """Stop the other ranks (a stop command unless not ``graceful``, then terminate what still runs) and
         leave the groups."""

@@ -11,6 +11,7 @@ from armillary.errors import InvalidRequestError
 from armillary.outputs import CompletionOutput, RequestOutput
 from armillary.sampling_params import SamplingParams
 from armillary.server.async_engine import (
+    HEALTH_POLL_S,
     AsyncEngine,
     EngineDeadError,
     EngineOverloadedError,
@@ -28,6 +29,7 @@ class ScriptedEngine:
         self.fail_next_step = False
         self.pause_after: int | None = None  # a request's token count at which steps pause (``paused`` set)
         self.thread_ids: set[int] = set()
+        self.health_error: Exception | None = None  # what check_health raises (a rank gone)
 
     def add_request(self, request_id, prompt, params) -> None:
         self.thread_ids.add(threading.get_ident())
@@ -42,6 +44,10 @@ class ScriptedEngine:
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
+
+    def check_health(self) -> None:
+        if self.health_error is not None:
+            raise self.health_error
 
     def step(self) -> list[RequestOutput]:
         self.thread_ids.add(threading.get_ident())
@@ -159,6 +165,17 @@ def test_failed_step_fails_streams_and_marks_the_engine_dead(engine):
 
     asyncio.run(main())
     assert not eng.ready and "device lost" in eng.not_ready_reason()
+
+
+def test_an_idle_engine_that_fails_its_health_check_is_dead_without_a_request(engine):
+    """A rank that dies while nothing runs stops the engine within the poll, not at the next request."""
+    eng, fake = engine
+    assert eng.ready
+    fake.health_error = RuntimeError("rank 1 exited with code -9")
+    deadline = time.monotonic() + 5 * HEALTH_POLL_S
+    while eng.ready and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not eng.ready and "rank 1 exited" in eng.not_ready_reason()
 
 
 def test_shutdown_aborts_in_flight_and_refuses_new_requests(engine):
