@@ -27,6 +27,28 @@ def test_batched_decode_equals_explicit_math_per_sequence(window):
         torch.testing.assert_close(alone, want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("fp8", [False, True], ids=["fp32", "fp8"])
+def test_batched_decode_ignores_non_finite_slots_past_each_length(fp8):
+    """Pool memory past a sequence's length is whatever the allocator held (recycled GPU memory: NaN bytes, 0x7F
+    in e4m3): the padded block's keys and values must not reach the output (issue 13's NaN logits on the GPU)."""
+    torch.manual_seed(1)
+    nb, bs, hkv, hq, d = 6, 4, 2, 4, 16
+    dtype = torch.float8_e4m3fn if fp8 else torch.float32
+    clean = KVCache(torch.randn(nb, bs, hkv, d).to(dtype), torch.randn(nb, bs, hkv, d).to(dtype), 0,
+                    *((torch.tensor(0.5), torch.tensor(0.25)) if fp8 else (None, None)))
+    dirty = KVCache(clean.k.clone(), clean.v.clone(), 0, clean.k_scale, clean.v_scale)
+    seq_lens = [5, 2]
+    tables = torch.tensor([[1, 4], [3, 0]], dtype=torch.int32)
+    for pages in (dirty.k, dirty.v):  # every slot no sequence reaches: NaN
+        raw = pages.view(torch.uint8) if fp8 else pages
+        raw[4, 1:] = 0x7F if fp8 else float("nan")
+        raw[3, 2:] = 0x7F if fp8 else float("nan")
+    q = torch.randn(2, hq, d)
+    got = paged_attention(q, dirty, tables, [0, 1, 2], seq_lens, 0.25)
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got, paged_attention(q, clean, tables, [0, 1, 2], seq_lens, 0.25))
+
+
 # (new tokens, cached + new): a fresh prompt, a chunk after cached context, one decode token
 @pytest.mark.parametrize("n,length", [(13, 13), (6, 19), (1, 17)])
 @pytest.mark.parametrize("window", [None, 4, 13, 40])
