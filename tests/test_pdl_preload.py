@@ -2,6 +2,8 @@
 program's weight-tile loads between ``launch_dependents`` and ``wait``, and the activation loads after it."""
 from __future__ import annotations
 
+import importlib
+
 import pytest
 
 from armillary.testing.offline_ptx import PDL_MARKS, instruction_sequence, kernel_ptx
@@ -77,6 +79,18 @@ def test_fp8_moe_down_pairs_loads_id_weight_and_tile_before_the_wait_on_sm90():
                                                  signature, consts))
     assert before >= 3  # id, weight, the tile's 16-byte loads
     assert after >= 1
+
+
+@pytest.mark.parametrize("module,kernel,rows", [
+    ("fp8_moe_down", "_gemv_down_pairs_kernel", "T"), ("fp8_skinny", "_fp8_skinny_kernel", "M"),
+    ("skinny_gemm", "_skinny_gemm_kernel", "M"), ("fp4_gemv", "_fp4_skinny_kernel", "M")])
+def test_split_k_kernels_keep_their_row_count_unspecialized(module, kernel, rows):
+    """A launch at one row would make the row count a constexpr int, which split_k_epilogue cannot widen to int64
+    (a compile error on the GPU at batch 1; the interpreter does not specialize, so only this catches it)."""
+    fn = getattr(importlib.import_module(f"armillary.kernels.triton.{module}"), kernel)
+    kept = fn.kwargs["do_not_specialize"] if hasattr(fn, "kwargs") else fn.do_not_specialize  # interpreter: as given
+    names = {fn.arg_names[i] if isinstance(i, int) else i for i in kept or ()}
+    assert rows in names
 
 
 @pytest.mark.parametrize("late", [True, False])

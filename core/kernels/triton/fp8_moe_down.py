@@ -24,7 +24,7 @@ from armillary.kernels.triton.pdl import pdl_launch_dependents, pdl_wait
 from armillary.kernels.triton.split_k import split_k_epilogue
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T"])  # T = 1 would become a constexpr int, which split_k_epilogue cannot widen
 def _gemv_down_pairs_kernel(
     h_ptr, w_ptr, s_ptr, out_ptr, ids_ptr, topw_ptr, part_ptr, ticket_ptr, T, N, K,
     stride_hm, stride_we, stride_wn, stride_se, stride_sn, stride_sk, stride_om,
