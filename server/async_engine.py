@@ -150,7 +150,7 @@ class AsyncEngine:
         """The event loop that hears the engine (outputs, failures, ``on_dead``) before any request names one: the
         server binds its own at start-up, so an engine that dies while idle still reaches it."""
         if self._streams and self._loop is not loop:
-            raise RuntimeError("requests from another event loop are in flight: the engine answers on one")
+            raise RuntimeError("requests from two event loops at once: the engine answers on one")
         self._loop = loop
 
     def wait_until_loaded(self, timeout: float | None = None) -> None:
@@ -210,10 +210,7 @@ class AsyncEngine:
             raise EngineOverloadedError(
                 f"{self._num_waiting} requests are already waiting (--max-queue-size {self.max_queue_size})")
         loop = asyncio.get_running_loop()
-        if self._loop is not loop:  # the first request, or the first after the warm requests (their own loop)
-            if self._streams:
-                raise RuntimeError("requests from two event loops at once: the engine answers on one")
-            self._loop = loop
+        self.bind_loop(loop)  # the first request, or the first after the warm requests (their own loop)
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already in flight")
         stream = RequestStream(request_id)

@@ -149,6 +149,6 @@ def _decode_batched(q: torch.Tensor, cache: KVCache, block_tables: torch.Tensor,
         mask &= kpos >= lens - sliding_window
     scores.masked_fill_(~mask[:, None, None, :], float("-inf"))
     # slots past a sequence's length hold whatever the pool's memory held (NaN bytes on a GPU): 0 · NaN is NaN
-    v = v.masked_fill(~mask[:, None, :, None], 0.0)
+    v.masked_fill_(~mask[:, None, :, None], 0.0)  # in place: index_select made v a copy of the pages
     out = torch.matmul(scores.softmax(-1), v)  # [B, Hkv, G, Dv]
     return out.reshape(B, Hq, -1).to(q.dtype)
